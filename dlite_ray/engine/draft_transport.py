@@ -1,0 +1,58 @@
+"""The engine's only way to reach a draft: a transport with the in-process version here.
+
+The Ray deployment implements the same interface over torch.distributed (target and
+draft on separate devices); the engine never calls the draft model directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
+from dlite_ray.runtime.sampling import RowSampling
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """Target -> draft, for N rows: what a history-free draft needs, nothing more."""
+
+    token_groups: torch.Tensor  # [N, G] real tokens ending at each anchor
+    features: torch.Tensor  # [N, S, D] pivot features (selected target layers at the pivot)
+    num_tokens: int  # K for this call (<= block_size - 1)
+    sampling: RowSampling
+    draft_greedy: torch.Tensor  # [N] bool: rows drafting by argmax
+
+
+@dataclass(slots=True, frozen=True)
+class DraftInfo:
+    fingerprint: str
+    anchor_group_size: int
+    max_draft_tokens: int
+    target_layer_ids: tuple[int, ...]
+
+
+class DraftTransport(Protocol):
+    info: DraftInfo
+
+    def propose(self, request: DraftRequest) -> DraftProposal: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessDraftTransport:
+    """Same process, same device: a direct call, no copies."""
+
+    def __init__(self, draft: DLiteDraftModel, fingerprint: str):
+        self.draft = draft
+        cfg = draft.cfg
+        self.info = DraftInfo(fingerprint, cfg.anchor_group_size, cfg.max_draft_tokens, tuple(cfg.target_layer_ids))
+
+    def propose(self, request: DraftRequest) -> DraftProposal:
+        return self.draft.propose(request.features, request.token_groups, request.num_tokens,
+                                  request.sampling, request.draft_greedy)
+
+    def close(self) -> None:
+        pass

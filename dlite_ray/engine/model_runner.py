@@ -1,0 +1,88 @@
+"""ModelRunner: owns every target tensor (weights, paged KV, backend) and runs ragged batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dlite_ray.engine.block_manager import BlockManager
+from dlite_ray.engine.sequence import InvalidRequest, Sequence
+from dlite_ray.runtime.attention import FLASH_ATTN_PAGE_MULTIPLE, build_attention_metadata, make_backend
+from dlite_ray.runtime.kv_cache import PagedKVCache
+from dlite_ray.runtime.target_model import ForwardBatch, TargetModel
+
+
+@dataclass(slots=True)
+class RowInput:
+    """New tokens of one sequence, written at positions seq.num_computed onwards."""
+
+    seq: Sequence
+    tokens: list[int]
+    every_position: bool = False  # logits/taps at every new token (verify) or only the last
+
+
+@dataclass(slots=True)
+class RowOutput:
+    logits: torch.Tensor  # [n, V] float32
+    taps: torch.Tensor | None  # [n, S, D]
+
+
+class ModelRunner:
+    def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_kv_tokens: int, block_size: int,
+                 attention_backend: str = "auto"):
+        self.target = target
+        self.tap_layers = tap_layers
+        param = next(target.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.backend = make_backend(attention_backend, self.device)
+        if self.backend.name == "flash_attn" and block_size % FLASH_ATTN_PAGE_MULTIPLE:
+            block_size = FLASH_ATTN_PAGE_MULTIPLE
+        num_blocks = -(-max_kv_tokens // block_size)
+        self.cache = PagedKVCache(target.cfg, num_blocks, block_size, self.dtype, self.device,
+                                  block_major=self.backend.block_major)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.max_context = target.cfg.max_position_embeddings
+
+    def forward(self, rows: list[RowInput]) -> list[RowOutput]:
+        for row in rows:
+            end = row.seq.num_computed + len(row.tokens)
+            if end > self.max_context:
+                raise InvalidRequest(f"sequence of {end} tokens exceeds the model context of {self.max_context}")
+            self.blocks.ensure_capacity(row.seq.block_table, end)
+        batch = self._build_batch(rows)
+        out = self.target(batch, self.cache, self.backend)
+        counts = [len(r.tokens) if r.every_position else 1 for r in rows]
+        logits = out.logits.split(counts)
+        taps = out.taps.split(counts) if out.taps is not None else [None] * len(rows)
+        return [RowOutput(lg, tp) for lg, tp in zip(logits, taps)]
+
+    def _build_batch(self, rows: list[RowInput]) -> ForwardBatch:
+        ids, positions, wanted = [], [], []
+        q_lens, ctx_lens = [], []
+        for row in rows:
+            start, n = row.seq.num_computed, len(row.tokens)
+            first = len(ids)
+            ids += row.tokens
+            positions += range(start, start + n)
+            wanted += range(first, first + n) if row.every_position else [first + n - 1]
+            q_lens.append(n)
+            ctx_lens.append(start + n)
+        meta = build_attention_metadata(q_lens, ctx_lens, [r.seq.block_table for r in rows],
+                                        self.cache.block_size, self.device)
+        wanted_t = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            attention=meta, logit_indices=wanted_t,
+            tap_indices=wanted_t if self.tap_layers else None, tap_layers=self.tap_layers,
+        )
+
+    def release(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """Roll the sequence's KV back to its first `num_computed` positions."""
+        seq.num_computed = num_computed
+        self.blocks.crop(seq.block_table, num_computed)

@@ -1,0 +1,132 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, VERIFY_MODES
+
+
+class InvalidRequest(ValueError):
+    """A request the engine refuses, with the reason."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    verify_mode: str | None = None  # None: greedy at T = 0, else rejection
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.verify_mode is not None and self.verify_mode not in VERIFY_MODES:
+            raise InvalidRequest(f"verify_mode must be one of {VERIFY_MODES}, got {self.verify_mode!r}")
+        if self.verify_mode in (REJECTION, MATCH) and self.temperature == 0:
+            self.verify_mode = GREEDY  # T = 0 has one answer; every mode reduces to greedy
+
+    @property
+    def mode(self) -> str:
+        if self.temperature == 0:
+            return GREEDY
+        return self.verify_mode if self.verify_mode in (REJECTION, MATCH) else REJECTION
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class SequenceStats:
+    accept_lengths: list[int] = field(default_factory=list)  # A + 1 per round
+    position_accepts: list[int] = field(default_factory=list)  # [k] rounds whose draft k was accepted
+    position_trials: list[int] = field(default_factory=list)  # [k] rounds that drafted position k
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    decode_wall_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def record_round(self, num_drafted: int, accepted: int) -> None:
+        self.accept_lengths.append(accepted + 1)
+        while len(self.position_trials) < num_drafted:
+            self.position_trials.append(0)
+            self.position_accepts.append(0)
+        for k in range(num_drafted):
+            self.position_trials[k] += 1
+            self.position_accepts[k] += k < accepted
+
+    @property
+    def mean_accept_length(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else 0.0
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    status: Status = Status.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0  # positions whose K/V sit in the cache
+    pivot_features: torch.Tensor | None = None  # [S, D] taps at position num_computed - 1
+    finish_reason: str | None = None
+    stats: SequenceStats = field(default_factory=SequenceStats)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise InvalidRequest("the prompt is empty")
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def anchor(self) -> int:
+        """The next token: chosen from the target's last logits, not yet run through it."""
+        return self.output_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append_tokens(self, tokens: list[int], eos_ids: tuple[int, ...]) -> list[int]:
+        """Commit tokens, stopping at a stop token or the length limit; returns what was kept."""
+        kept = []
+        for tok in tokens:
+            self.output_ids.append(tok)
+            kept.append(tok)
+            if tok in eos_ids or tok in self.params.stop_token_ids:
+                self.finish("stop")
+                break
+            if len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish("length")
+                break
+        return kept
+
+    def finish(self, reason: str) -> None:
+        self.status, self.finish_reason = Status.FINISHED, reason

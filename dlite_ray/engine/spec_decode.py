@@ -1,0 +1,172 @@
+"""The DLite round for a batch of running sequences (REFERENCE.md section 1).
+
+Per step: draft K_i tokens for every speculating row in one draft call, verify
+[anchor, d_1..d_K_i] for every row in one ragged target forward, accept per row, commit
+A_i + 1 tokens, crop each row's KV to n_i + A_i + 1, and take the next pivot features
+from the verify pass at index A_i. Rows with K_i = 0 decode plainly in the same forward.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport
+from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
+from dlite_ray.engine.sequence import Sequence, Status
+from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, RowSampling, probabilities, sample, \
+    verify_greedy, verify_match, verify_rejection
+
+
+class SpecDecoder:
+    def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
+                 num_draft_tokens: int, verify_block_size: int | None = None):
+        self.runner, self.draft, self.eos_ids = runner, draft, eos_ids
+        limit = draft.info.max_draft_tokens if draft else 0
+        self.num_draft_tokens = min(num_draft_tokens, limit)
+        if verify_block_size is not None:
+            if verify_block_size < 1:
+                raise ValueError(f"verify_block_size={verify_block_size} must be >= 1")
+            # Never draft tokens the verify window would drop.
+            self.num_draft_tokens = min(self.num_draft_tokens, verify_block_size - 1)
+
+    # -- prefill ------------------------------------------------------------------------
+    def prefill(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        """Run whole prompts, sample each first token (the first anchor)."""
+        with _timer(self.runner.device) as t:
+            outs = self.runner.forward([RowInput(s, s.prompt_ids[s.num_computed:]) for s in seqs])
+            first = self._sample_rows(seqs, torch.stack([o.logits[-1] for o in outs])[:, None])[:, 0].tolist()
+        emitted = {}
+        now = time.perf_counter()
+        for seq, out, tok in zip(seqs, outs, first):
+            seq.num_computed = len(seq.prompt_ids)
+            seq.pivot_features = out.taps[-1] if out.taps is not None else None
+            seq.status = Status.RUNNING
+            seq.stats.prefill_time += t.elapsed
+            seq.stats.first_token_time = now
+            emitted[seq] = seq.append_tokens([tok], self.eos_ids)
+        return emitted
+
+    # -- one decode / speculation step ---------------------------------------------------
+    def step(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
+        ks = [self._draft_length(s) for s in seqs]
+        drafts, q_probs, draft_time = self._propose(seqs, ks)
+        rows = [RowInput(s, [s.anchor] + drafts[i][:k], every_position=True) for i, (s, k) in enumerate(zip(seqs, ks))]
+        with _timer(self.runner.device) as t:
+            outs = self.runner.forward(rows)
+            accepted, next_tokens = self._verify(seqs, ks, drafts, q_probs, outs)
+            accepted_l, next_l = accepted.tolist(), next_tokens.tolist()  # the step's one host sync
+        emitted = {}
+        now = time.perf_counter()
+        for i, seq in enumerate(seqs):
+            a = accepted_l[i]
+            self.runner.commit(seq, seq.num_computed + a + 1)
+            seq.pivot_features = outs[i].taps[a] if outs[i].taps is not None else None
+            st = seq.stats
+            st.record_round(ks[i], a)
+            st.draft_time += draft_time
+            st.verify_time += t.elapsed
+            st.decode_wall_time = now - st.first_token_time
+            st.last_token_time = now
+            emitted[seq] = seq.append_tokens(drafts[i][:a] + [next_l[i]], self.eos_ids)
+        return emitted
+
+    def _draft_length(self, seq: Sequence) -> int:
+        remaining = seq.params.max_new_tokens - len(seq.output_ids)
+        room = self.runner.max_context - seq.num_computed - 1
+        return max(0, min(self.num_draft_tokens, remaining - 1, room))
+
+    def _propose(self, seqs: list[Sequence], ks: list[int]):
+        rows = [i for i, k in enumerate(ks) if k > 0]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if not rows or self.draft is None:
+            return drafts, None, 0.0
+        g = self.draft.info.anchor_group_size
+        sub = [seqs[i] for i in rows]
+        request = DraftRequest(
+            token_groups=torch.tensor([s.all_ids[-g:] for s in sub], dtype=torch.long, device=self.runner.device),
+            features=torch.stack([s.pivot_features for s in sub]),
+            num_tokens=max(ks[i] for i in rows),
+            sampling=_row_sampling(sub, self.runner.device),
+            draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=self.runner.device),
+        )
+        with _timer(self.runner.device) as t:
+            proposal = self.draft.propose(request)
+            tokens = proposal.tokens.tolist()
+        for j, i in enumerate(rows):
+            drafts[i] = tokens[j][:ks[i]]
+        q_probs = {i: proposal.probs[j] for j, i in enumerate(rows)} if proposal.probs is not None else None
+        return drafts, q_probs, t.elapsed
+
+    def _verify(self, seqs, ks, drafts, q_probs, outs: list[RowOutput]):
+        width = max(ks) + 1
+        logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
+        draft_t = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], dtype=torch.long,
+                               device=logits.device).view(len(seqs), width - 1)
+        num = torch.tensor(ks, device=logits.device)
+        accepted = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
+        next_tokens = torch.zeros_like(accepted)
+        for mode in (GREEDY, REJECTION, MATCH):
+            idx = [i for i, s in enumerate(seqs) if s.params.mode == mode]
+            if not idx:
+                continue
+            it = torch.tensor(idx, device=logits.device)
+            if mode == GREEDY:
+                a, t = verify_greedy(logits[it], draft_t[it], num[it])
+            else:
+                sub = [seqs[i] for i in idx]
+                rs = _row_sampling(sub, logits.device)
+                p = probabilities(logits[it], rs)
+                if mode == MATCH:
+                    a, t = verify_match(p, draft_t[it], num[it], rs.generators)
+                else:
+                    q = _stack_q(idx, q_probs, width - 1, p)
+                    a, t = verify_rejection(p, q, draft_t[it], num[it], rs.generators)
+            accepted[it], next_tokens[it] = a, t
+        return accepted, next_tokens
+
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, 1, V] -> [B, 1]: argmax for greedy rows, a processed sample otherwise."""
+        tokens = logits.argmax(dim=-1)
+        idx = [i for i, s in enumerate(seqs) if s.params.mode != GREEDY]
+        if idx:
+            it = torch.tensor(idx, device=logits.device)
+            rs = _row_sampling([seqs[i] for i in idx], logits.device)
+            tokens[it] = sample(probabilities(logits[it], rs), rs.generators)
+        return tokens
+
+
+def _row_sampling(seqs: list[Sequence], device) -> RowSampling:
+    return RowSampling.build([s.params.temperature for s in seqs], [s.params.top_k for s in seqs],
+                             [s.params.top_p for s in seqs], [s.generator for s in seqs], device)
+
+
+def _stack_q(idx: list[int], q_probs: dict[int, torch.Tensor] | None, k: int, p: torch.Tensor) -> torch.Tensor:
+    """Draft distributions for the rejection rows, padded to [B, K, V] (rows with no draft: zeros)."""
+    vocab = p.shape[-1]
+    rows = []
+    for i in idx:
+        q = q_probs.get(i) if q_probs else None
+        q = torch.zeros(0, vocab, device=p.device) if q is None else q
+        rows.append(F.pad(q, (0, 0, 0, k - q.shape[0])))
+    return torch.stack(rows)
+
+
+class _Elapsed:
+    elapsed = 0.0
+
+
+@contextmanager
+def _timer(device: torch.device):
+    """Wall time of a synchronised region (the device queue is drained at both ends)."""
+    out = _Elapsed()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    out.elapsed = time.perf_counter() - start

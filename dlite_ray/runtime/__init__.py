@@ -1,0 +1,1 @@
+"""Torch-only runtime: models, paged KV tensors, attention, sampling and verification."""

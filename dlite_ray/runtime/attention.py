@@ -1,0 +1,158 @@
+"""Attention metadata (built in one place) and the attention backends over the paged KV.
+
+Backends: `sdpa` (PyTorch scaled_dot_product_attention, CPU and GPU) and `flash_attn`
+(CUDA, paged `flash_attn_with_kvcache`, when the package is installed). `auto` picks
+flash-attn on CUDA when importable, else SDPA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dlite_ray.runtime.kv_cache import PagedKVCache
+
+FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs blocks of a multiple of 256
+
+
+@dataclass(slots=True)
+class SequenceSpan:
+    """One sequence of a ragged batch: its new tokens [q_start, q_start + q_len) attend to
+    its first ctx_len cached positions (the new ones included)."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    kv_slots: slice | torch.Tensor  # a slice when the blocks are consecutive (zero-copy)
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when a plain decode row
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] slot of each new token
+    spans: list[SequenceSpan]
+    block_tables: list[list[int]]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.numel()
+
+
+def build_attention_metadata(
+    q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """New tokens of sequence i sit at positions [ctx_lens[i] - q_lens[i], ctx_lens[i])."""
+    slot_mapping: list[int] = []
+    spans: list[SequenceSpan] = []
+    q_start = 0
+    for q_len, ctx_len, table in zip(q_lens, ctx_lens, block_tables, strict=True):
+        if q_len <= 0 or ctx_len < q_len:
+            raise ValueError(f"bad span: q_len={q_len}, ctx_len={ctx_len}")
+        if len(table) * block_size < ctx_len:
+            raise ValueError(f"block table of {len(table)} blocks cannot hold {ctx_len} tokens")
+        first = ctx_len - q_len
+        slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(first, ctx_len)]
+        spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_slots(table, ctx_len, block_size, device),
+                                  _causal_mask(q_len, ctx_len, device)))
+        q_start += q_len
+    return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), spans, block_tables, block_size)
+
+
+def _context_slots(table: list[int], ctx_len: int, block_size: int, device: torch.device) -> slice | torch.Tensor:
+    num_blocks = -(-ctx_len // block_size)
+    used = table[:num_blocks]
+    if used == list(range(used[0], used[0] + num_blocks)):
+        start = used[0] * block_size
+        return slice(start, start + ctx_len)
+    blocks = torch.tensor(used, dtype=torch.long, device=device)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
+    return slots[:ctx_len]
+
+
+def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
+    if q_len == 1:
+        return None  # a single new token sees the whole context
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
+
+
+class SdpaBackend:
+    """PyTorch SDPA over the head-major cache.
+
+    GQA is folded into the query rows ([Hkv, group * q_len, Dh] against [Hkv, ctx, Dh]):
+    on CPU this is ~10x faster than SDPA's own `enable_gqa` path, which copies K/V per head.
+    """
+
+    name = "sdpa"
+    block_major = False
+
+    def attend(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh] -> [T, Hq, Dh]
+        cache.write(layer, meta.slot_mapping, k, v)
+        k_all, v_all = cache.k[layer], cache.v[layer]  # [Hkv, slots, Dh]
+        hkv, dh = k_all.shape[0], k_all.shape[2]
+        group = q.shape[1] // hkv
+        outs = []
+        for span in meta.spans:
+            n = span.q_len
+            qs = q[span.q_start:span.q_start + n].view(n, hkv, group, dh).permute(1, 2, 0, 3)
+            qs = qs.reshape(hkv, group * n, dh)  # rows: (group, position)
+            mask = None if span.mask is None else span.mask.repeat(group, 1)
+            out = F.scaled_dot_product_attention(qs[None], k_all[:, span.kv_slots][None],
+                                                 v_all[:, span.kv_slots][None], attn_mask=mask)
+            outs.append(out[0].view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, hkv * group, dh))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+class FlashAttnBackend:
+    """Paged attention through flash-attn's kvcache kernel (CUDA only)."""
+
+    name = "flash_attn"
+    block_major = True
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_with_kvcache  # noqa: PLC0415 - optional dependency
+
+        self._kernel = flash_attn_with_kvcache
+
+    def attend(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
+               q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.write(layer, meta.slot_mapping, k, v)
+        # Rows with the same q_len go in one kernel call: [B, q_len, H, Dh].
+        by_len: dict[int, list[int]] = {}
+        for i, span in enumerate(meta.spans):
+            by_len.setdefault(span.q_len, []).append(i)
+        result = torch.empty_like(q)
+        for q_len, rows in by_len.items():
+            spans = [meta.spans[i] for i in rows]
+            qb = torch.stack([q[s.q_start:s.q_start + q_len] for s in spans])
+            width = max(len(meta.block_tables[i]) for i in rows)
+            table = torch.zeros(len(rows), width, dtype=torch.int32, device=q.device)
+            for r, i in enumerate(rows):
+                table[r, :len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i], dtype=torch.int32)
+            lens = torch.tensor([s.ctx_len for s in spans], dtype=torch.int32, device=q.device)
+            out = self._kernel(qb, cache.k[layer], cache.v[layer], cache_seqlens=lens, block_table=table, causal=True)
+            for r, s in enumerate(spans):
+                result[s.q_start:s.q_start + q_len] = out[r]
+        return result
+
+
+def flash_attn_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def make_backend(name: str, device: torch.device) -> SdpaBackend | FlashAttnBackend:
+    if name == "auto":
+        name = "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
+    if name == "sdpa":
+        return SdpaBackend()
+    if name == "flash_attn":
+        if device.type != "cuda" or not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package (extra 'gpu')")
+        return FlashAttnBackend()
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, sdpa or flash_attn")

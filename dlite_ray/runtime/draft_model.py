@@ -1,0 +1,169 @@
+"""DLiteDraftModel: a history-free draft that reads S target layers at the pivot.
+
+One round for N requests (REFERENCE.md section 1):
+  context  = context_norm(pivot features [N, S, D] + e_depth[layer_id])   (S separate slots)
+  queries  = target embeddings of the G real tokens ending at the anchor, then K MASK rows
+  backbone = decoder layers; queries attend bidirectionally to [context ; queries]
+  head     = DLiteSequentialHead turns the K mask outputs into K tokens, one after another
+Positions are local (they never grow with the history); nothing survives the round.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError
+from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
+from dlite_ray.runtime.sampling import RowSampling, probabilities, sample
+from dlite_ray.runtime.sequential_head import DLiteSequentialHead
+
+
+@dataclass(slots=True)
+class DraftProposal:
+    tokens: torch.Tensor  # [N, K]
+    probs: torch.Tensor | None  # [N, K, V] the distributions the tokens were drawn from; None if all greedy
+
+
+def build_block_position_ids(group_size: int, num_masks: int, num_slots: int, device=None) -> torch.Tensor:
+    """Local positions of [context slots ; G real tokens ; masks]: slots at max(G - 2, 0)
+    (the pivot, one before the anchor), real tokens 0..G-1, masks G..G+num_masks-1."""
+    slots = torch.full((num_slots,), max(group_size - 2, 0), dtype=torch.long)
+    queries = torch.arange(group_size + num_masks, dtype=torch.long)
+    return torch.cat([slots, queries]).to(device)
+
+
+class DLiteDraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig, target_embedding: nn.Embedding):
+        super().__init__()
+        self.cfg = cfg
+        lc = cfg.layers
+        self.embed_tokens = target_embedding  # the target's, frozen; not part of the checkpoint
+        self.layers = nn.ModuleList(DecoderLayer(lc) for _ in range(lc.num_layers))
+        self.norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.layer_depth_embedding = nn.Embedding(cfg.num_target_layers, lc.hidden_size)
+        self.context_norm = RMSNorm(lc.hidden_size, lc.rms_norm_eps)
+        self.sequential_head = DLiteSequentialHead(lc.hidden_size, cfg.sequential_rank, lc.vocab_size)
+        self.rotary = Rotary(lc.head_dim, lc.rope_theta)
+        self.register_buffer("layer_ids", torch.tensor(cfg.target_layer_ids), persistent=False)
+
+    # -- backbone ---------------------------------------------------------------------
+    def backbone(self, features: torch.Tensor, token_groups: torch.Tensor, num_masks: int) -> torch.Tensor:
+        """features [N, S, D], token_groups [N, G] -> backbone outputs at the masks [N, num_masks, D]."""
+        n, s, _ = features.shape
+        g = token_groups.shape[1]
+        ctx = self.context_norm(features + self.layer_depth_embedding(self.layer_ids).to(features.dtype))
+        masks = torch.full((n, num_masks), self.cfg.mask_token_id, dtype=torch.long, device=features.device)
+        x = self.embed_tokens(torch.cat([token_groups, masks], dim=1)).to(features.dtype)  # [N, G+M, D]
+        pos = build_block_position_ids(g, num_masks, s, features.device)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        ctx_cos, ctx_sin, q_cos, q_sin = cos[:s], sin[:s], cos[s:], sin[s:]
+
+        for layer in self.layers:
+            ctx_kv_in = layer.input_layernorm(ctx)
+
+            def attend(q, k, v, layer=layer, ctx_kv_in=ctx_kv_in):
+                # Context slots are keys/values only: project them with this layer's k/v.
+                ck, cv = _project_context(layer.self_attn, ctx_kv_in, ctx_cos, ctx_sin)
+                keys, values = torch.cat([ck, k], dim=1), torch.cat([cv, v], dim=1)  # [N, S+G+M, Hkv, Dh]
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+                                                     values.transpose(1, 2), enable_gqa=True)
+                return out.transpose(1, 2)
+
+            x = layer(x, q_cos, q_sin, attend)
+        return self.norm(x[:, g:])
+
+    # -- inference --------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, features: torch.Tensor, token_groups: torch.Tensor, num_tokens: int,
+                sampling: RowSampling, draft_greedy: torch.Tensor) -> DraftProposal:
+        """Draft `num_tokens` (<= B - 1) tokens per row; sampling happens inside the head's loop.
+
+        draft_greedy [N] bool: rows that draft by argmax (greedy verification, match mode).
+        """
+        if not 1 <= num_tokens <= self.cfg.max_draft_tokens:
+            raise ValueError(f"num_tokens={num_tokens} outside [1, {self.cfg.max_draft_tokens}]")
+        u = self.backbone(features, token_groups, num_tokens)
+        head = self.sequential_head
+        prev = token_groups[:, -2] if token_groups.shape[1] > 1 else None
+        state = head.initial_state(u.shape[0], u, prev)
+        token = token_groups[:, -1]
+        all_greedy = bool(draft_greedy.all())
+        tokens, probs = [], []
+        for k in range(num_tokens):
+            state = head.advance(state, token)
+            logits = head.logits(state, u[:, k]).float()
+            token = logits.argmax(dim=-1)
+            if not all_greedy:
+                q = probabilities(logits[:, None], _safe_temperature(sampling))
+                token = torch.where(draft_greedy, token, sample(q, sampling.generators)[:, 0])
+                probs.append(q[:, 0])
+            tokens.append(token)
+        return DraftProposal(torch.stack(tokens, 1), None if all_greedy else torch.stack(probs, 1))
+
+    # -- checkpoint (public layout) ---------------------------------------------------
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("embed_tokens.")}
+
+    def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.checkpoint_state().items()}
+        save_file(state, directory / "model.safetensors")
+
+    @classmethod
+    def load(cls, directory: str | Path, target_embedding: nn.Embedding, num_target_layers: int,
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "DLiteDraftModel":
+        directory = Path(directory)
+        if not (directory / "config.json").exists() or not (directory / "model.safetensors").exists():
+            raise DraftConfigError(f"{directory} is not a draft checkpoint (needs config.json + model.safetensors)")
+        cfg = DraftConfig.from_dict(json.loads((directory / "config.json").read_text()))
+        _check_compatible(cfg, target_embedding, num_target_layers)
+        with torch.device("meta"):
+            model = cls(cfg, nn.Embedding(1, 1))
+        state = load_file(directory / "model.safetensors")
+        expected = model.checkpoint_state()
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise DraftConfigError(f"draft checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        for name, ref in expected.items():
+            if tuple(state[name].shape) != tuple(ref.shape):
+                raise DraftConfigError(f"draft weight {name}: shape {tuple(state[name].shape)} != {tuple(ref.shape)}")
+        model.load_state_dict({k: state[k].to(dtype) for k in expected}, strict=False, assign=True)
+        model.embed_tokens = target_embedding
+        model.rotary = Rotary(cfg.layers.head_dim, cfg.layers.rope_theta)
+        model.layer_ids = torch.tensor(cfg.target_layer_ids)
+        return model.to(device).eval()
+
+
+def _project_context(attn, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    lead = ctx.shape[:-1]
+    k = attn.k_proj(ctx).view(*lead, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(ctx).view(*lead, attn.num_kv_heads, attn.head_dim)
+    if attn.k_norm is not None:
+        k = attn.k_norm(k)
+    return apply_rotary(k, cos, sin), v
+
+
+def _safe_temperature(s: RowSampling) -> RowSampling:
+    # Greedy rows are masked out afterwards; give them T = 1 so nothing divides by zero.
+    t = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
+    return RowSampling(t, s.top_k, s.top_p, s.generators)
+
+
+def _check_compatible(cfg: DraftConfig, target_embedding: nn.Embedding, num_target_layers: int) -> None:
+    vocab, width = target_embedding.weight.shape
+    lc = cfg.layers
+    if lc.hidden_size != width:
+        raise DraftConfigError(f"draft width {lc.hidden_size} != target width {width}")
+    if lc.vocab_size != vocab:
+        raise DraftConfigError(f"draft vocabulary {lc.vocab_size} != target vocabulary {vocab}")
+    if cfg.num_target_layers != num_target_layers:
+        raise DraftConfigError(f"draft was made for {cfg.num_target_layers} target layers, target has {num_target_layers}")

@@ -1,0 +1,47 @@
+"""Paged KV cache tensors: one pool of fixed-size blocks per layer, allocated once.
+
+The pool is addressed by *slots* (block_id * block_size + offset). Which blocks belong to
+which sequence is the engine's business (`engine.block_manager`); this class only owns
+the tensors, so cropping a sequence is pure bookkeeping there and costs nothing here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlite_ray.runtime.config import ModelConfig
+
+
+class PagedKVCache:
+    """Layouts: `head_major` [L, Hkv, slots, Dh] (SDPA: a sequence on consecutive blocks is
+    one strided view per head, no copy) or `block_major` [L, blocks, block_size, Hkv, Dh]
+    (what flash-attn's paged kernel reads)."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str, block_major: bool = False):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
+        self.num_blocks, self.block_size, self.block_major = num_blocks, block_size, block_major
+        hkv, dh, layers = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+        if block_major:
+            shape = (layers, num_blocks, block_size, hkv, dh)
+        else:
+            shape = (layers, hkv, num_blocks * block_size, dh)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slot_mapping: [T]; k, v: [T, Hkv, Dh]
+        if self.block_major:
+            self.k[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
+            self.v[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
+        else:
+            self.k[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
+            self.v[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
+
+    def memory_bytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()

@@ -1,0 +1,133 @@
+"""Decoder building blocks shared by the target and the draft (Llama / Qwen2 / Qwen3 / Mistral).
+
+Layers work on any leading shape (`[T, D]` ragged for the target, `[N, L, D]` for the
+draft); the attention core itself is passed in, so the same layer runs causal attention
+over a paged cache (target) or bidirectional attention over one block (draft).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlite_ray.runtime.config import ModelConfig
+
+# (q [..., Hq, Dh], k [..., Hkv, Dh], v [..., Hkv, Dh]) -> out [..., Hq, Dh]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _fuse_into_views(linears: tuple[nn.Linear, ...], name: str) -> torch.Tensor:
+    """Concatenate the linears' tensors and make each one a view of the result (no 2x memory)."""
+    fused = torch.cat([getattr(m, name).detach() for m in linears])
+    start = 0
+    for m in linears:
+        n = getattr(m, name).shape[0]
+        setattr(m, name, nn.Parameter(fused[start:start + n], requires_grad=False))
+        start += n
+    return fused
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Rotary(nn.Module):
+    """Rotate-half RoPE (the Hugging Face convention); cos/sin built once per forward."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [...] -> cos, sin: [..., 1, Dh] (the 1 broadcasts over heads)
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one GEMV instead of three
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Inference only: concatenate q/k/v weights (CPU decode is one weight read per call)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_into_views(projs, "weight")
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_into_views(projs, "bias")
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_weight is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv = self.num_kv_heads * self.head_dim
+        return F.linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
+        lead = x.shape[:-1]
+        q, k, v = self._qkv(x)
+        q = q.view(*lead, self.num_heads, self.head_dim)
+        k = k.view(*lead, self.num_kv_heads, self.head_dim)
+        v = v.view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attend(q, k, v)
+        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_weight = _fuse_into_views((self.gate_proj, self.up_proj), "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,121 @@
+"""Sampling and speculative verification, vectorised over a batch of rows.
+
+Each row carries its own temperature / top-k / top-p and its own number of drafted
+tokens; every row gets its own accepted length A (no batch minimum). Randomness comes
+from one torch.Generator per row, so a seeded request reproduces whatever it is batched
+with.
+
+Verification modes (REFERENCE.md section 2):
+- greedy: accept while d_k == argmax p_k. Exactly the target's greedy output.
+- rejection: exact speculative sampling. Accept d_k with prob min(1, p(d_k) / q(d_k)),
+  on reject resample from norm(max(p - q, 0)), bonus from p when all pass. p and q are
+  both the *processed* distributions (same temperature, top-k, top-p).
+- match: the draft proposes greedily, the target samples a token at every position
+  and drafts are accepted while they equal those samples. Each emitted token is a fresh
+  target sample given the accepted prefix, so output follows the target, but acceptance
+  is lower than the ratio rule (the draft's probabilities are ignored). The public
+  release's default; a cheaper heuristic, not the ratio rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY, REJECTION, MATCH = "greedy", "rejection", "match"
+VERIFY_MODES = (GREEDY, REJECTION, MATCH)
+
+
+@dataclass(slots=True)
+class RowSampling:
+    """Per-row sampling knobs as tensors: temperature, top_k (0 = off), top_p ([B])."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
+              generators: list[torch.Generator | None], device: torch.device | str = "cpu") -> "RowSampling":
+        return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
+                   torch.tensor(top_k, dtype=torch.long, device=device),
+                   torch.tensor(top_p, dtype=torch.float32, device=device), generators)
+
+
+def probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
+    """logits [B, N, V] -> processed probabilities [B, N, V] (temperature, top-k, top-p).
+
+    Rows must have temperature > 0. The same function processes target p and draft q.
+    """
+    logits = logits.float() / s.temperature[:, None, None]
+    vocab = logits.shape[-1]
+    k = torch.where(s.top_k > 0, s.top_k.clamp(max=vocab), torch.full_like(s.top_k, vocab))
+    sorted_logits, _ = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(-1, (k - 1)[:, None, None].expand(-1, logits.shape[1], 1))
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    # top-p: keep the smallest prefix of the sorted distribution whose mass reaches p
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep_sorted = mass_before < s.top_p[:, None, None]
+    cutoff = sorted_logits.masked_fill(~keep_sorted, float("inf")).amin(dim=-1, keepdim=True)
+    logits = logits.masked_fill(logits < cutoff, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """probs [B, N, V] -> tokens [B, N] by the exponential race argmax(p / E), E ~ Exp(1)."""
+    noise = torch.stack([_rand(probs.shape[1:], g, probs.device) for g in generators])
+    return (probs / -torch.log(noise.clamp_min(1e-20))).argmax(dim=-1)
+
+
+def uniforms(shape: tuple[int, ...], generators: list[torch.Generator | None], device) -> torch.Tensor:
+    return torch.stack([_rand(shape, g, device) for g in generators])
+
+
+def _rand(shape, generator: torch.Generator | None, device) -> torch.Tensor:
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def _accepted_length(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """accept [B, K] bool, num_drafts [B] -> A [B]: length of the accepted prefix."""
+    k = accept.shape[1]
+    in_range = torch.arange(k, device=accept.device)[None, :] < num_drafts[:, None]
+    return (accept & in_range).long().cumprod(dim=1).sum(dim=1)
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor):
+    """target_logits [B, K+1, V], drafts [B, K], num_drafts [B] -> (A [B], next token [B])."""
+    best = target_logits.argmax(dim=-1)  # [B, K+1]
+    accepted = _accepted_length(drafts == best[:, :-1], num_drafts)
+    return accepted, best.gather(1, accepted[:, None]).squeeze(1)
+
+
+def verify_rejection(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                     generators: list[torch.Generator | None]):
+    """p [B, K+1, V] target probs, q [B, K, V] draft probs (what the drafts were sampled from)."""
+    k = drafts.shape[1]
+    p_d = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)
+    q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = uniforms((k,), generators, p.device)
+    accept = u * q_d < p_d  # u < min(1, p/q) without dividing by a possibly tiny q
+    accepted = _accepted_length(accept, num_drafts)
+    residual = (p[:, :k] - q).clamp_min(0)
+    residual = torch.cat([residual, p[:, k:]], dim=1)  # index K: the bonus comes from p
+    rows = torch.arange(p.shape[0], device=p.device)
+    # all of a row's drafts passed -> bonus from p at that index; else the residual there
+    p_at = p[rows, accepted]
+    r_at = residual[rows, accepted]
+    use_p = (accepted >= num_drafts)[:, None] | (r_at.sum(-1, keepdim=True) <= 0)
+    final = torch.where(use_p, p_at, r_at / r_at.sum(-1, keepdim=True).clamp_min(1e-30))
+    return accepted, sample(final[:, None], generators).squeeze(1)
+
+
+def verify_match(p: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
+                 generators: list[torch.Generator | None]):
+    """Target samples at every position; drafts accepted while equal to those samples."""
+    target_tokens = sample(p, generators)  # [B, K+1]
+    accepted = _accepted_length(drafts == target_tokens[:, :-1], num_drafts)
+    return accepted, target_tokens.gather(1, accepted[:, None]).squeeze(1)

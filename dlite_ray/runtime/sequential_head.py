@@ -1,0 +1,52 @@
+"""DLiteSequentialHead: the low-rank gated RNN that restores dependencies inside a block.
+
+For k = 1..K, with u_k the backbone output at mask k and d_0 the anchor:
+    v = E_R[d_{k-1}]                         (V x R table)
+    [g, c] = W_s [s_{k-1}; v] + b_s
+    s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c)
+    r_k = W_h [s_k; u_k] + b_h               (no activation)
+    logits_k = W_o r_k                       (R -> V, no bias)
+The vocabulary distribution comes only from the R-wide bottleneck, never the target's
+LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DLiteSequentialHead(nn.Module):
+    def __init__(self, hidden_size: int, rank: int, vocab_size: int):
+        super().__init__()
+        self.rank = rank
+        self.prev_token_embedding = nn.Embedding(vocab_size, rank)
+        self.state_proj = nn.Linear(2 * rank, 2 * rank)
+        self.state_hidden_mlp = nn.Linear(rank + hidden_size, rank)
+        self.output_proj = nn.Linear(rank, vocab_size, bias=False)
+
+    def initial_state(self, batch: int, like: torch.Tensor, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """s_0 = 0; with G > 1 seeded by one step on the token before the anchor."""
+        state = torch.zeros(batch, self.rank, dtype=like.dtype, device=like.device)
+        if prev_tokens is not None:
+            state = self.advance(state, prev_tokens)
+        return state
+
+    def advance(self, state: torch.Tensor, prev_tokens: torch.Tensor) -> torch.Tensor:
+        # state: [N, R], prev_tokens: [N] -> [N, R]
+        v = self.prev_token_embedding(prev_tokens)
+        gate, cand = self.state_proj(torch.cat([state, v], dim=-1)).chunk(2, dim=-1)
+        z = torch.sigmoid(gate)
+        return z * state + (1 - z) * torch.tanh(cand)
+
+    def logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        # state: [N, R], u: [N, D] -> [N, V]
+        return self.output_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
+
+    def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V]."""
+        out = []
+        for k in range(u.shape[1]):
+            state = self.advance(state, prev_tokens[:, k])
+            out.append(self.logits(state, u[:, k]))
+        return torch.stack(out, dim=1)

@@ -1,0 +1,79 @@
+"""The target: a compact Llama-family decoder over a ragged batch and a paged KV cache.
+
+`forward` returns logits only at the positions asked for and hidden states of the
+selected layers only at the positions asked for (the DLite pivot features), so a long
+prefill never materialises V-wide logits or every layer's activations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from dlite_ray.runtime.attention import AttentionMetadata, SdpaBackend, FlashAttnBackend
+from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.kv_cache import PagedKVCache
+from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    """A ragged batch: all sequences' new tokens flattened into one row of T tokens."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] true positions in each sequence
+    attention: AttentionMetadata
+    logit_indices: torch.Tensor  # [M] indices into T whose logits are wanted
+    tap_indices: torch.Tensor | None = None  # [P] indices into T whose layer taps are wanted
+    tap_layers: tuple[int, ...] = field(default=())
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor  # [M, V] float32
+    taps: torch.Tensor | None  # [P, S, D] hidden states *after* each selected layer
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache, backend: SdpaBackend | FlashAttnBackend) -> ForwardOutput:
+        x = self.embed_tokens(batch.input_ids)  # [T, D]
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        want_taps = batch.tap_indices is not None and batch.tap_indices.numel() > 0
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            def attend(q, k, v, i=i):
+                return backend.attend(cache, i, batch.attention, q, k, v)
+
+            x = layer(x, cos, sin, attend)
+            if want_taps and i in batch.tap_layers:
+                taps[i] = x.index_select(0, batch.tap_indices)
+        last = self.norm(x.index_select(0, batch.logit_indices))
+        logits = self.lm_head(last).float()
+        stacked = torch.stack([taps[i] for i in batch.tap_layers], dim=1) if want_taps else None
+        return ForwardOutput(logits, stacked)
+
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up weights for inference (the target is never trained here)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
+    def fingerprint(self) -> str:
+        """A cheap identity of the weights: features are only valid for the weights that made them."""
+        from dlite_ray.runtime.loading import weights_fingerprint  # noqa: PLC0415 - avoid a cycle
+
+        return weights_fingerprint(self)

@@ -1,0 +1,32 @@
+"""Small drivers the runtime tests share: run token ids through our runtime's paged KV."""
+
+from __future__ import annotations
+
+import torch
+
+from dlite_ray.engine.model_runner import ModelRunner, RowInput
+from dlite_ray.engine.sequence import SamplingParams, Sequence
+
+
+def new_runner(model, tap_layers=(), max_kv_tokens=4096, block_size=16) -> ModelRunner:
+    return ModelRunner(model, tuple(tap_layers), max_kv_tokens, block_size, "sdpa")
+
+
+def new_seq(ids: list[int]) -> Sequence:
+    return Sequence(list(ids), SamplingParams(max_new_tokens=8))
+
+
+def forward_all(runner: ModelRunner, seq: Sequence, tokens: list[int]):
+    """Feed `tokens` after what the sequence already holds; logits/taps at every new position."""
+    out = runner.forward([RowInput(seq, tokens, every_position=True)])[0]
+    runner.commit(seq, seq.num_computed + len(tokens))
+    return out
+
+
+def hf_logits(directory, ids: list[int], dtype=torch.float32, hidden=False):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=hidden)
+    return out

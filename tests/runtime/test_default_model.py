@@ -1,0 +1,46 @@
+"""The embedded default target (SmolLM2-135M-Instruct from its PyPI wheel) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlite_ray.engine.engine import DLiteEngine
+from tests.helpers import forward_all, hf_logits, new_runner, new_seq
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ar_engine(default_model_dir):
+    return DLiteEngine.from_pretrained(default_model_dir, draft=None)
+
+
+def test_logits_match_transformers(ar_engine, default_model_dir):
+    ids = ar_engine.encode([{"role": "user", "content": "Explain what a Python decorator is."}])
+    ours = forward_all(new_runner(ar_engine.target), new_seq(ids), ids).logits
+    ref = hf_logits(default_model_dir, ids).logits[0]
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=1e-4)  # float32, 30 layers
+
+
+def test_greedy_text_equals_transformers_generate(ar_engine, default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    prompts = [[{"role": "user", "content": "Write a Python function that checks if a number is prime."}],
+               [{"role": "user", "content": "List three uses of the json module."}]]
+    ours = ar_engine.generate(prompts, max_new_tokens=48)
+    for prompt, result in zip(prompts, ours):
+        ids = ar_engine.encode(prompt)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0, len(ids):].tolist()
+        assert result.token_ids == ref[:len(result.token_ids)]
+        assert len(result.token_ids) == len(ref) or result.finish_reason == "stop"
+
+
+def test_gguf_file_loads_the_same_weights(ar_engine):
+    from dlite_ray.runtime.loading import load_target
+    from dlite_ray.runtime.model_store import default_gguf_path
+
+    direct = load_target(default_gguf_path())
+    assert direct.fingerprint() == ar_engine.target.fingerprint()
