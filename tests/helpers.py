@@ -18,7 +18,7 @@ def new_seq(ids: list[int]) -> Sequence:
 
 def forward_all(runner: ModelRunner, seq: Sequence, tokens: list[int]):
     """Feed `tokens` after what the sequence already holds; logits/taps at every new position."""
-    out = runner.forward([RowInput(seq, tokens, every_position=True)])[0]
+    out = runner.forward([RowInput(seq, tokens, num_outputs=len(tokens))])[0]
     runner.commit(seq, seq.num_computed + len(tokens))
     return out
 
@@ -30,3 +30,16 @@ def hf_logits(directory, ids: list[int], dtype=torch.float32, hidden=False):
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=hidden)
     return out
+
+
+def chi2_pvalue(samples, probs) -> float:
+    """Chi-square goodness of fit of integer samples to a probability vector."""
+    import numpy as np
+    from scipy.stats import chisquare
+
+    probs = np.asarray(probs, dtype=float)
+    counts = np.bincount(np.asarray(samples), minlength=len(probs)).astype(float)
+    keep = probs > 0
+    assert counts[~keep].sum() == 0, "sampled a token of probability zero"
+    expected = probs[keep] / probs[keep].sum() * counts.sum()
+    return chisquare(counts[keep], expected).pvalue

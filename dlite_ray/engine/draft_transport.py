@@ -20,7 +20,7 @@ class DraftRequest:
     """Target -> draft, for N rows: what a history-free draft needs, nothing more."""
 
     token_groups: torch.Tensor  # [N, G] real tokens ending at each anchor
-    features: torch.Tensor  # [N, S, D] pivot features (selected target layers at the pivot)
+    features: torch.Tensor | None  # [N, S, D] pivot features (None for drafts that read no target layers)
     num_tokens: int  # K for this call (<= block_size - 1)
     sampling: RowSampling
     draft_greedy: torch.Tensor  # [N] bool: rows drafting by argmax

@@ -100,26 +100,28 @@ class DLiteEngine:
     # -- generation -----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
-                 stop_token_ids: tuple[int, ...] = (),
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
                  callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
 
         A prompt is a string, a list of chat messages ({"role", "content"}) or token ids.
         `callback(request_index, new_token_ids)` streams tokens as they are committed.
         """
-        seqs = self.make_sequences(prompts, max_new_tokens, temperature, top_k, top_p, seed, verify_mode, stop_token_ids)
+        seqs = self.make_sequences(prompts, max_new_tokens, temperature, top_k, top_p, seed, verify_mode,
+                                   stop_token_ids, ignore_eos)
         for index, tokens in self.stream(seqs):
             if callback is not None:
                 callback(index, tokens)
         return [self.result(s) for s in seqs]
 
     def make_sequences(self, prompts, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                       verify_mode=None, stop_token_ids=()) -> list[Sequence]:
+                       verify_mode=None, stop_token_ids=(), ignore_eos=False) -> list[Sequence]:
         batch = prompts if _is_batch(prompts) else [prompts]
         seqs = []
         for i, prompt in enumerate(batch):
             params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
-                                    None if seed is None else seed + i, verify_mode, tuple(stop_token_ids))
+                                    None if seed is None else seed + i, verify_mode, tuple(stop_token_ids),
+                                    ignore_eos)
             seqs.append(Sequence(self.encode(prompt), params))
         return seqs
 

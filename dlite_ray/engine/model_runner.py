@@ -19,7 +19,10 @@ class RowInput:
 
     seq: Sequence
     tokens: list[int]
-    every_position: bool = False  # logits/taps at every new token (verify) or only the last
+    num_outputs: int = 1  # logits/taps at the last this-many new tokens (len(tokens) for a verify block)
+
+    def __post_init__(self) -> None:
+        assert 1 <= self.num_outputs <= len(self.tokens), "outputs must lie among the new tokens"
 
 
 @dataclass(slots=True)
@@ -52,7 +55,7 @@ class ModelRunner:
             self.blocks.ensure_capacity(row.seq.block_table, end)
         batch = self._build_batch(rows)
         out = self.target(batch, self.cache, self.backend)
-        counts = [len(r.tokens) if r.every_position else 1 for r in rows]
+        counts = [r.num_outputs for r in rows]
         logits = out.logits.split(counts)
         taps = out.taps.split(counts) if out.taps is not None else [None] * len(rows)
         return [RowOutput(lg, tp) for lg, tp in zip(logits, taps)]
@@ -65,7 +68,7 @@ class ModelRunner:
             first = len(ids)
             ids += row.tokens
             positions += range(start, start + n)
-            wanted += range(first, first + n) if row.every_position else [first + n - 1]
+            wanted += range(first + n - row.num_outputs, first + n)
             q_lens.append(n)
             ctx_lens.append(start + n)
         meta = build_attention_metadata(q_lens, ctx_lens, [r.seq.block_table for r in rows],

@@ -24,6 +24,7 @@ class SamplingParams:
     seed: int | None = None
     verify_mode: str | None = None  # None: greedy at T = 0, else rejection
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, distribution tests)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -120,7 +121,7 @@ class Sequence:
         for tok in tokens:
             self.output_ids.append(tok)
             kept.append(tok)
-            if tok in eos_ids or tok in self.params.stop_token_ids:
+            if (tok in eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
                 self.finish("stop")
                 break
             if len(self.output_ids) >= self.params.max_new_tokens:

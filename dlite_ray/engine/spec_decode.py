@@ -54,7 +54,7 @@ class SpecDecoder:
     def step(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
         ks = [self._draft_length(s) for s in seqs]
         drafts, q_probs, draft_time = self._propose(seqs, ks)
-        rows = [RowInput(s, [s.anchor] + drafts[i][:k], every_position=True) for i, (s, k) in enumerate(zip(seqs, ks))]
+        rows = [RowInput(s, [s.anchor] + drafts[i][:k], num_outputs=k + 1) for i, (s, k) in enumerate(zip(seqs, ks))]
         with _timer(self.runner.device) as t:
             outs = self.runner.forward(rows)
             accepted, next_tokens = self._verify(seqs, ks, drafts, q_probs, outs)
@@ -87,8 +87,9 @@ class SpecDecoder:
         g = self.draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
         request = DraftRequest(
-            token_groups=torch.tensor([s.all_ids[-g:] for s in sub], dtype=torch.long, device=self.runner.device),
-            features=torch.stack([s.pivot_features for s in sub]),
+            token_groups=torch.tensor([_token_group(s.all_ids, g) for s in sub], dtype=torch.long,
+                                      device=self.runner.device),
+            features=torch.stack([s.pivot_features for s in sub]) if sub[0].pivot_features is not None else None,
             num_tokens=max(ks[i] for i in rows),
             sampling=_row_sampling(sub, self.runner.device),
             draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=self.runner.device),
@@ -137,6 +138,11 @@ class SpecDecoder:
             rs = _row_sampling([seqs[i] for i in idx], logits.device)
             tokens[it] = sample(probabilities(logits[it], rs), rs.generators)
         return tokens
+
+
+def _token_group(ids: list[int], g: int) -> list[int]:
+    """The G tokens ending at the anchor (left-padded with the first token if shorter)."""
+    return ([ids[0]] * g + ids)[-g:]
 
 
 def _row_sampling(seqs: list[Sequence], device) -> RowSampling:

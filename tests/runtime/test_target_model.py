@@ -44,9 +44,9 @@ def test_ragged_batch_equals_one_at_a_time(tiny_dirs, arch):
     seqs = [new_seq(p) for p in prompts]
     # interleave allocations so block tables are not consecutive (exercises the gather path)
     for s, p in zip(seqs, prompts):
-        runner.forward([RowInput(s, p[:1], every_position=True)])
+        runner.forward([RowInput(s, p[:1])])
         runner.commit(s, 1)
-    outs = runner.forward([RowInput(s, p[1:], every_position=True) for s, p in zip(seqs, prompts)])
+    outs = runner.forward([RowInput(s, p[1:], num_outputs=len(p) - 1) for s, p in zip(seqs, prompts)])
     for out, ref in zip(outs, alone):
         torch.testing.assert_close(out.logits, ref[1:], atol=1e-5, rtol=1e-5)
 

@@ -1,0 +1,1 @@
+"""Benchmarks: runtime vs transformers, DLite vs plain decoding, reports."""

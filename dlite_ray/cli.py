@@ -1,0 +1,138 @@
+"""dlite-ray: one entry point (generate, fetch-model, bench-runtime, bench-spec, train)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
+
+log = logging.getLogger("dlite_ray")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dlite-ray", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text (DLite by default, --draft none for plain decoding)")
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="a user message (sent through the chat template)")
+    src.add_argument("--messages-json", help="a JSON file with a list of {role, content} messages")
+    gen.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
+    _model_args(gen)
+    gen.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--verify-mode", choices=["greedy", "rejection", "match"], default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+
+    sub.add_parser("fetch-model", help="fetch and convert the default target into the user cache")
+
+    rb = sub.add_parser("bench-runtime", help="decode tokens/s: our runtime vs transformers generate")
+    rb.add_argument("--contexts", default="512,4096")
+    rb.add_argument("--new-tokens", type=int, default=64)
+    rb.add_argument("--repeats", type=int, default=3)
+    rb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+
+    sb = sub.add_parser("bench-spec", help="DLite vs plain decoding on the dev prompts (draft, oracle or none)")
+    _model_args(sb)
+    sb.add_argument("--oracle", action="store_true", help="an oracle draft proposing the target's own tokens")
+    sb.add_argument("--limit", type=int, default=8)
+    sb.add_argument("--max-new-tokens", type=int, default=96)
+    sb.add_argument("--repeats", type=int, default=2)
+    sb.add_argument("--out", default=None, help="write results.json here")
+
+    tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
+    from dlite_ray.training.cli_args import add_train_args  # noqa: PLC0415 - keeps --help fast enough
+
+    add_train_args(tr)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command != "generate" else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return COMMANDS[args.command](args)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", default="default", help="draft checkpoint directory, 'default' or 'none'")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--num-draft-tokens", type=int, default=7)
+    p.add_argument("--verify-block-size", type=int, default=None)
+
+
+def _engine(args):
+    from dlite_ray.engine.engine import DLiteEngine  # noqa: PLC0415
+
+    draft = None if args.draft == "none" else args.draft
+    return DLiteEngine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype,
+                                       num_draft_tokens=args.num_draft_tokens,
+                                       verify_block_size=args.verify_block_size)
+
+
+def cmd_generate(args) -> int:
+    from dlite_ray.engine.sequence import InvalidRequest  # noqa: PLC0415
+
+    try:
+        if args.messages_json:
+            with open(args.messages_json) as f:
+                prompt = json.load(f)
+        else:
+            prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+        engine = _engine(args)
+        stream = None if args.json else (lambda _i, toks: print(engine.tokenizer.decode(toks), end="", flush=True))
+        result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                 verify_mode=args.verify_mode, callback=stream)[0]
+    except (InvalidRequest, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        keys = ("accept_lengths", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
+                "verify_time", "decode_tokens_per_second")
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids,
+                          "finish_reason": result.finish_reason, "stats": {k: result.stats[k] for k in keys}}))
+    else:
+        print()
+    return 0
+
+
+def cmd_fetch_model(args) -> int:
+    from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+
+    print(default_model_dir())
+    return 0
+
+
+def cmd_bench_runtime(args) -> int:
+    from dlite_ray.bench.runtime_bench import run  # noqa: PLC0415
+
+    run([int(c) for c in args.contexts.split(",")], args.new_tokens, args.repeats, args.dtype)
+    return 0
+
+
+def cmd_bench_spec(args) -> int:
+    from dlite_ray.bench.spec_bench import run  # noqa: PLC0415
+
+    run(args)
+    return 0
+
+
+def cmd_train(args) -> int:
+    from dlite_ray.training.pipeline import run  # noqa: PLC0415
+
+    run(args)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
+            "bench-spec": cmd_bench_spec, "train": cmd_train}
+
+if __name__ == "__main__":
+    sys.exit(main())

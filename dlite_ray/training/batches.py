@@ -1,0 +1,64 @@
+"""Anchors and training batches.
+
+An anchor at absolute position t+1 has its pivot at t: the draft sees the pivot features,
+the anchor token, and learns the target's next K greedy tokens. Many anchors of many
+sequences go in one pass as independent rows [N, S + 1 + K]: attention never crosses rows,
+which is the block-diagonal mask of the reference training code without the padding.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from dlite_ray.training.data import Record
+
+
+@dataclass(slots=True)
+class Batch:
+    features: torch.Tensor  # [N, S, D]
+    anchors: torch.Tensor  # [N, 1]
+    prev_tokens: torch.Tensor  # [N, K]: d_0 = anchor, then the labels (teacher forcing)
+    labels: torch.Tensor  # [N, K]
+    top_ids: torch.Tensor  # [N, K, k]
+    top_probs: torch.Tensor  # [N, K, k]
+
+
+def all_anchors(records: list[Record], k: int) -> list[tuple[int, int]]:
+    """(record, relative pivot j) for every pivot with K labels after it."""
+    out = []
+    for r, rec in enumerate(records):
+        n = rec.argmax.shape[0]
+        out += [(r, j) for j in range(0, n - k)]
+    return out
+
+
+def make_batch(records: list[Record], anchors: list[tuple[int, int]], k: int) -> Batch:
+    feats, anc, labels, top_i, top_p = [], [], [], [], []
+    for r, j in anchors:
+        rec = records[r]
+        feats.append(rec.features[j])
+        anc.append(rec.tokens[rec.start + j + 1])
+        # argmax[j + m] is the target's token after relative position j + m
+        labels.append(rec.argmax[j + 1:j + 1 + k])
+        top_i.append(rec.top_ids[j + 1:j + 1 + k])
+        top_p.append(rec.top_probs[j + 1:j + 1 + k])
+    anchors_t = torch.stack(anc).long()[:, None]
+    labels_t = torch.stack(labels).long()
+    return Batch(torch.stack(feats).float(), anchors_t, torch.cat([anchors_t, labels_t[:, :-1]], dim=1),
+                 labels_t, torch.stack(top_i), torch.stack(top_p))
+
+
+class AnchorSampler:
+    def __init__(self, anchors: list[tuple[int, int]], batch_size: int, seed: int = 0):
+        self.anchors, self.batch_size = anchors, batch_size
+        self.rng = random.Random(seed)
+
+    def __iter__(self):
+        while True:
+            order = list(self.anchors)
+            self.rng.shuffle(order)
+            for i in range(0, len(order) - self.batch_size + 1, self.batch_size):
+                yield order[i:i + self.batch_size]

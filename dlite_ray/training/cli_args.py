@@ -1,0 +1,22 @@
+"""Arguments of `dlite-ray train` (kept apart so the CLI builds its parser without torch)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--out", default="runs/draft", help="working directory (data, checkpoints, history)")
+    p.add_argument("--export", default=None, help="also write the final draft here (public layout)")
+    p.add_argument("--layers", type=int, default=2, help="draft depth")
+    p.add_argument("--slots", type=int, default=5, help="S: target layers read at the pivot")
+    p.add_argument("--rank", type=int, default=64, help="R: sequential head rank")
+    p.add_argument("--block-size", type=int, default=8, help="B = K + 1")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=96)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's regenerated replies")
+    p.add_argument("--per-source", type=int, default=40, help="prompts taken from each BFCL file")
+    p.add_argument("--multi-turn", type=int, default=12, help="multi-turn BFCL conversations (long histories)")
+    p.add_argument("--seed", type=int, default=0)

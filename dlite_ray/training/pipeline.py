@@ -1,0 +1,90 @@
+"""`dlite-ray train`: prompts -> target replies -> target features -> student -> draft checkpoint.
+
+Every stage is cached in --out, so a rerun resumes where the last one stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.runtime.draft_config import DraftConfig
+from dlite_ray.runtime.draft_model import DLiteDraftModel
+from dlite_ray.training.batches import all_anchors
+from dlite_ray.training.data import dataset_bytes, extract_records, generate_conversations, load_records, save_records
+from dlite_ray.training.prompts import build_prompt_set
+from dlite_ray.training.trainer import TrainConfig, train
+
+log = logging.getLogger(__name__)
+
+
+def new_draft(engine: DLiteEngine, layers: int, slots: int, rank: int, block_size: int, seed: int) -> DLiteDraftModel:
+    target_hf = _target_hf_config(engine)
+    # MASK is a real vocabulary row; prefer one that never occurs in text (unk), never EOS.
+    tok = engine.tokenizer
+    mask_id = next(i for i in (tok.unk_token_id, tok.pad_token_id, engine.eos_ids[0]) if i is not None)
+    cfg = DraftConfig.for_target(target_hf, layers, slots, rank, mask_id, block_size)
+    torch.manual_seed(seed)
+    draft = DLiteDraftModel(cfg, engine.target.embed_tokens)
+    for p in draft.embed_tokens.parameters():
+        p.requires_grad_(False)
+    return draft
+
+
+def _target_hf_config(engine: DLiteEngine) -> dict:
+    c = engine.target.cfg
+    return {"model_type": c.model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings, "tie_word_embeddings": c.tie_word_embeddings,
+            "attention_bias": c.attention_bias, "bos_token_id": c.bos_token_id,
+            "eos_token_id": list(c.eos_token_ids)}
+
+
+def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args) -> tuple[list, list]:
+    paths = {split: out / f"data_{split}.pt" for split in ("train", "dev")}
+    if all(p.exists() for p in paths.values()):
+        return load_records(paths["train"]), load_records(paths["dev"])
+    prompts = build_prompt_set(args.seed, args.per_source, multi_turn=args.multi_turn)
+    log.info("prompts: %d train, %d dev", len(prompts.train), len(prompts.dev))
+    result = {}
+    for split, samples in (("train", prompts.train), ("dev", prompts.dev)):
+        convs = generate_conversations(engine, samples, args.max_new_tokens)
+        records = extract_records(engine, convs, tap_layers)
+        save_records(records, paths[split])
+        log.info("%s: %d sequences, %d positions, %.1f MB", split, len(records),
+                 sum(r.argmax.numel() for r in records), dataset_bytes(records) / 1e6)
+        result[split] = records
+    return result["train"], result["dev"]
+
+
+def run(args) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    engine = DLiteEngine.from_pretrained(args.target, draft=None)
+    draft = new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed)
+    tap_layers = tuple(draft.cfg.target_layer_ids)
+    log.info("draft: %d layers, S=%d %s, R=%d, %.1fM trainable parameters", args.layers, len(tap_layers),
+             list(tap_layers), args.rank, sum(p.numel() for p in draft.checkpoint_state().values()) / 1e6)
+    train_records, dev_records = build_data(engine, out, tap_layers, args)
+    k = args.block_size - 1
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    summary = train(draft, train_records, all_anchors(train_records, k), dev_records,
+                    all_anchors(dev_records, k), k, cfg, out)
+    draft.save(out / "draft")
+    if args.export:
+        draft.save(args.export)
+    summary["total_seconds"] = time.perf_counter() - started
+    summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    (out / "summary.json").write_text(json.dumps({k_: v for k_, v in summary.items() if k_ != "history"}, indent=2))
+    log.info("done in %.0f s, peak RSS %.0f MB, dev tau %.3f", summary["total_seconds"], summary["peak_rss_mb"],
+             summary["final_dev"]["tau"])
+    return summary

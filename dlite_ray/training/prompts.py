@@ -1,0 +1,210 @@
+"""Offline training prompts: BFCL tool-use chats (from the bfcl-eval wheel, read, never
+installed), code tasks over Python's own standard library, and general instructions.
+
+Every sample is a chat (list of {role, content}); multi-turn BFCL samples also carry the
+later user turns, which data generation answers one after another so that the history
+grows to thousands of tokens (the agentic, long-context regime).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import random
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlite_ray.runtime.model_store import cache_root
+
+log = logging.getLogger(__name__)
+
+BFCL_PACKAGE = "bfcl-eval==2026.3.23"
+BFCL_FILES = ("BFCL_v4_live_simple", "BFCL_v4_live_multiple", "BFCL_v4_simple_python", "BFCL_v4_parallel")
+BFCL_MULTI_TURN = "BFCL_v4_multi_turn_base"
+# multi-turn classes -> their schema file in multi_turn_func_doc/
+CLASS_DOCS = {
+    "GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api", "MessageAPI": "message_api",
+    "TwitterAPI": "posting_api", "TicketAPI": "ticket_api", "TradingBot": "trading_bot",
+    "TravelAPI": "travel_booking", "VehicleControlAPI": "vehicle_control",
+}
+TOOL_SYSTEM = ("You are an assistant that can call tools. When a tool is needed, answer with a call like "
+               "func_name(arg=value). Available tools (JSON schemas):\n")
+
+GENERAL_INSTRUCTIONS = [
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a short email asking a colleague to review a pull request.",
+    "What are the main causes of the seasons on Earth?",
+    "Give three tips for writing readable code.",
+    "Summarise what a hash map is and when to use one.",
+    "Write a haiku about debugging at night.",
+    "How does HTTP differ from HTTPS?",
+    "Describe the steps to make a cup of tea.",
+    "What is recursion? Give a simple example.",
+    "Explain what a unit test is to a new programmer.",
+    "List the planets of the solar system in order.",
+    "Write a Python function that returns the factorial of n.",
+    "What is the capital of France, and what is it known for?",
+    "Explain big-O notation in two paragraphs.",
+    "Write a SQL query that counts orders per customer.",
+    "Give me a short plan for learning a new programming language.",
+    "What does the git rebase command do?",
+    "Explain the difference between a process and a thread.",
+    "Write a bash one-liner that counts lines in all .py files.",
+    "What are the benefits of type hints in Python?",
+    "Describe how a binary search works.",
+    "Write a polite reply declining a meeting invitation.",
+    "What is a REST API?",
+    "Explain what JSON is and show a small example.",
+    "How do you reverse a linked list?",
+    "Write a Python class representing a bank account with deposit and withdraw.",
+    "What is the difference between TCP and UDP?",
+    "Explain the purpose of a virtual environment in Python.",
+    "Give an example of a list comprehension that filters even numbers.",
+    "Describe the water cycle briefly.",
+    "What is a race condition and how can it be avoided?",
+    "Write a regular expression that matches an email address and explain it.",
+    "Explain how a for loop works in Python.",
+    "What is the purpose of the __init__ method?",
+    "Write a function that merges two sorted lists.",
+    "What is memoization?",
+    "Explain what an exception is and how try/except works.",
+    "Describe three common sorting algorithms.",
+    "Write a Python script that reads a CSV file and prints the first row.",
+    "What is the difference between == and is in Python?",
+]
+
+
+@dataclass(slots=True)
+class PromptSample:
+    id: str
+    kind: str  # chat | tool | multi_turn | code
+    messages: list[dict[str, str]]
+    later_turns: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptSet:
+    train: list[PromptSample]
+    dev: list[PromptSample]
+
+
+def build_prompt_set(seed: int = 0, per_source: int = 40, dev_fraction: float = 0.15,
+                     multi_turn: int = 12) -> PromptSet:
+    rng = random.Random(seed)
+    data = bfcl_data_dir()
+    samples = [PromptSample(f"chat-{i}", "chat", [{"role": "user", "content": t}])
+               for i, t in enumerate(GENERAL_INSTRUCTIONS)]
+    for name in BFCL_FILES:
+        samples += rng.sample(_bfcl_single_turn(data / f"{name}.json"), per_source)
+    samples += rng.sample(_bfcl_multi_turn(data), multi_turn)
+    samples += stdlib_code_tasks(rng, per_source * 2)
+    rng.shuffle(samples)
+    n_dev = max(4, int(len(samples) * dev_fraction))
+    return PromptSet(train=samples[n_dev:], dev=samples[:n_dev])
+
+
+def bfcl_data_dir() -> Path:
+    """bfcl_eval/data from the wheel, extracted once into the cache (never pip-installed)."""
+    target = cache_root() / "data" / "bfcl_eval"
+    if (target / "data" / f"{BFCL_MULTI_TURN}.json").exists():
+        return target / "data"
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, BFCL_PACKAGE]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if result.returncode != 0 or not wheels:
+            raise RuntimeError(f"could not download {BFCL_PACKAGE}: {result.stderr.strip()[-400:]}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            for name in wheel.namelist():
+                if name.startswith("bfcl_eval/data/") and name.endswith(".json"):
+                    wheel.extract(name, target.parent)
+    return target / "data"
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _tool_system(functions: list[dict], max_chars: int = 14000) -> dict[str, str]:
+    """Schemas without their response specs, as many as fit in max_chars (~4K tokens)."""
+    text = ""
+    for f in functions:
+        entry = json.dumps({k: v for k, v in f.items() if k != "response"}) + "\n"
+        if len(text) + len(entry) > max_chars:
+            break
+        text += entry
+    return {"role": "system", "content": TOOL_SYSTEM + text}
+
+
+def _bfcl_single_turn(path: Path) -> list[PromptSample]:
+    out = []
+    for row in _read_jsonl(path):
+        turn = row["question"][0]
+        out.append(PromptSample(row["id"], "tool", [_tool_system(row["function"]), *turn]))
+    return out
+
+
+def _bfcl_multi_turn(data: Path) -> list[PromptSample]:
+    docs = {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
+    out = []
+    for row in _read_jsonl(data / f"{BFCL_MULTI_TURN}.json"):
+        functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
+        turns = [t[0]["content"] for t in row["question"] if t]
+        if not functions or len(turns) < 2:
+            continue
+        out.append(PromptSample(row["id"], "multi_turn", [_tool_system(functions), {"role": "user", "content": turns[0]}],
+                                later_turns=turns[1:3]))
+    return out
+
+
+def stdlib_code_tasks(rng: random.Random, count: int) -> list[PromptSample]:
+    """Explain / complete / test / fix-a-planted-bug tasks over standard-library functions."""
+    functions = _stdlib_functions(rng, count * 3)
+    tasks = []
+    for i, (module, src) in enumerate(functions[:count]):
+        kind = i % 4
+        if kind == 0:
+            text = f"Explain what this function from the `{module}` module does:\n\n```python\n{src}\n```"
+        elif kind == 1:
+            lines = src.splitlines()
+            text = f"Complete this Python function:\n\n```python\n" + "\n".join(lines[: max(2, len(lines) // 2)]) + "\n```"
+        elif kind == 2:
+            text = f"Write a pytest unit test for this function:\n\n```python\n{src}\n```"
+        else:
+            text = f"This function has a bug. Find it and fix it:\n\n```python\n{_plant_bug(src)}\n```"
+        tasks.append(PromptSample(f"code-{module}-{i}", "code", [{"role": "user", "content": text}]))
+    return tasks
+
+
+def _stdlib_functions(rng: random.Random, count: int) -> list[tuple[str, str]]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    rng.shuffle(files)
+    found: list[tuple[str, str]] = []
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= 30:
+                found.append((path.stem, ast.get_source_segment(source, node)))
+                break
+        if len(found) >= count:
+            break
+    return [(m, s) for m, s in found if s]
+
+
+def _plant_bug(src: str) -> str:
+    for old, new in ((" < ", " <= "), (" + 1", " - 1"), (" == ", " != "), (" and ", " or ")):
+        if old in src:
+            return src.replace(old, new, 1)
+    return re.sub(r"return (\w+)", r"return not \1", src, count=1)

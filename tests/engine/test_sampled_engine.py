@@ -1,0 +1,99 @@
+"""End to end: the engine's sampled output follows the target's distribution at batch > 1,
+and its paged KV after many rounds with rejections equals a fresh prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlite_ray.engine.model_runner import RowInput
+from dlite_ray.runtime.loading import load_target
+from tests.conftest import make_tiny_checkpoint, read_config
+from tests.engine.conftest import make_engine, random_draft
+from tests.helpers import chi2_pvalue, forward_all, new_runner, new_seq
+
+VOCAB = 12
+PROMPT = [3, 5, 7, 4, 9, 6]
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("v") / "llama", "llama", vocab=VOCAB)
+    target = load_target(d)
+    return target, random_draft(target, read_config(d), seed=3, block_size=4)
+
+
+def _target_second_token_distribution(target, temperature):
+    """P(token 2) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1), enumerated exactly."""
+    def probs(ids):
+        logits = forward_all(new_runner(target), new_seq(ids), ids).logits[-1]
+        return torch.softmax(logits / temperature, -1)
+
+    p1 = probs(PROMPT)
+    return sum(p1[t] * probs(PROMPT + [t]) for t in range(VOCAB)), p1
+
+
+@pytest.mark.parametrize("verify_mode", ["rejection", "match"])
+def test_sampled_tokens_follow_the_target(small_vocab, verify_mode):
+    target, draft = small_vocab
+    temperature = 0.9
+    want2, want1 = _target_second_token_distribution(target, temperature)
+    engine = make_engine(target, draft)
+    firsts, seconds, rounds = [], [], 0
+    for rep in range(4):  # 4 x 400 rows, each with its own seed
+        out = engine.generate([PROMPT] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
+                              verify_mode=verify_mode, ignore_eos=True)
+        firsts += [r.token_ids[0] for r in out]
+        seconds += [r.token_ids[1] for r in out]
+        rounds += sum(len(r.stats["accept_lengths"]) for r in out)
+    for got, want in ((seconds, want2), (firsts, want1)):
+        assert chi2_pvalue(got, want.double().numpy()) > 1e-3
+
+
+def test_broken_acceptance_is_caught(small_vocab, monkeypatch):
+    """Accept every draft: the second token then follows the draft, and the test sees it."""
+    import dlite_ray.engine.spec_decode as sd
+
+    target, draft = small_vocab
+    want2, _ = _target_second_token_distribution(target, 0.9)
+
+    def always_accept(p, q, drafts, num, gens):
+        return num.clone(), drafts[:, 0]
+
+    monkeypatch.setattr(sd, "verify_rejection", always_accept)
+    engine = make_engine(target, draft)
+    out = engine.generate([PROMPT] * 1200, max_new_tokens=3, temperature=0.9, seed=7, ignore_eos=True)
+    assert chi2_pvalue([r.token_ids[1] for r in out], want2.double().numpy()) < 1e-3
+
+
+def test_seeded_generation_is_reproducible(small_vocab):
+    target, draft = small_vocab
+    engine = make_engine(target, draft)
+    a = engine.generate([PROMPT, PROMPT[:3]], max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    b = engine.generate([PROMPT, PROMPT[:3]], max_new_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_kv_after_rounds_equals_fresh_prefill(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft, block_size=4)
+    seqs = engine.make_sequences([list(range(3, 20)), list(range(40, 49))], max_new_tokens=30)
+    dec = engine.decoder
+    dec.prefill(seqs)
+    for _ in range(6):
+        dec.step([s for s in seqs if not s.is_finished])
+    assert any(a < 8 for s in seqs for a in s.stats.accept_lengths)  # rejections happened
+    cache = engine.runner.cache
+    for seq in seqs:
+        n = seq.num_computed
+        fresh_runner = new_runner(tiny_target, block_size=4)
+        fresh = new_seq(seq.all_ids[:n])
+        fresh_runner.forward([RowInput(fresh, seq.all_ids[:n])])
+        for layer in range(tiny_target.cfg.num_layers):
+            slots = torch.tensor([b * 4 + o for b in seq.block_table for o in range(4)])[:n]
+            fresh_slots = torch.tensor([b * 4 + o for b in fresh.block_table for o in range(4)])[:n]
+            torch.testing.assert_close(cache.k[layer][:, slots], fresh_runner.cache.k[layer][:, fresh_slots],
+                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache.v[layer][:, slots], fresh_runner.cache.v[layer][:, fresh_slots],
+                                       atol=1e-5, rtol=1e-5)
+    for s in seqs:
+        engine.runner.release(s)
