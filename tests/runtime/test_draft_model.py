@@ -1,0 +1,120 @@
+"""DLite draft: public checkpoint layout, config resolution, clear errors, local positions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError, select_target_layers
+from dlite_ray.runtime.draft_model import DLiteDraftModel, build_block_position_ids
+from dlite_ray.runtime.sampling import RowSampling
+from tests.conftest import read_config
+from tests.engine.conftest import random_draft
+
+PUBLIC_PREFIXES = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.0.mlp.gate_proj",
+                   "layers.0.input_layernorm", "layers.0.post_attention_layernorm", "norm.weight",
+                   "layer_depth_embedding", "context_norm", "sequential_head.prev_token_embedding",
+                   "sequential_head.state_proj", "sequential_head.state_hidden_mlp", "sequential_head.output_proj")
+
+
+def test_target_layer_formula_matches_the_reference():
+    assert select_target_layers(36, 7) == [0, 1, 9, 17, 26, 34, 35]
+    assert select_target_layers(30, 5) == [0, 1, 15, 28, 29]
+
+
+def test_local_positions():
+    assert build_block_position_ids(1, 7, 3).tolist() == [0, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert build_block_position_ids(2, 3, 2).tolist() == [0, 0, 0, 1, 2, 3, 4]
+    assert build_block_position_ids(3, 2, 1).tolist() == [1, 0, 1, 2, 3, 4]
+
+
+@pytest.fixture
+def saved_draft(tiny_dirs, tmp_path):
+    from dlite_ray.runtime.loading import load_target
+
+    target = load_target(tiny_dirs["qwen3"])
+    draft = random_draft(target, read_config(tiny_dirs["qwen3"]))
+    draft.save(tmp_path / "draft", dtype=torch.float32)
+    return target, draft, tmp_path / "draft"
+
+
+def _propose(draft, target, seed=0):
+    torch.manual_seed(seed)
+    feats = torch.randn(2, draft.cfg.num_slots, target.cfg.hidden_size)
+    groups = torch.tensor([[5], [9]])
+    s = RowSampling.build([0.0, 0.0], [0, 0], [1.0, 1.0], [None, None])
+    return draft.propose(feats, groups, 5, s, torch.tensor([True, True]))
+
+
+def test_roundtrip_in_public_layout(saved_draft):
+    target, draft, path = saved_draft
+    keys = load_file(path / "model.safetensors").keys()
+    for prefix in PUBLIC_PREFIXES:
+        assert any(k.startswith(prefix) for k in keys), prefix
+    assert not any(k.startswith("embed_tokens") for k in keys)  # the target's, not shipped
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["dlite_config"]["sequential_head"] == "rnn" and cfg["num_target_layers"] == 4
+    loaded = DLiteDraftModel.load(path, target.embed_tokens, target.cfg.num_layers)
+    assert torch.equal(_propose(draft, target).tokens, _propose(loaded, target).tokens)
+
+
+def _edit_config(path, fn):
+    cfg = json.loads((path / "config.json").read_text())
+    fn(cfg)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("version, group", [("dlite_v1", 1), ("dlite_v2", 2)])
+def test_group_size_derived_from_version(saved_draft, version, group, caplog):
+    _, _, path = saved_draft
+
+    def edit(cfg):
+        del cfg["dlite_config"]["anchor_group_size"]
+        cfg["dlite_config"]["architecture_version"] = version
+
+    _edit_config(path, edit)
+    with caplog.at_level("INFO"):
+        cfg = DraftConfig.from_dict(json.loads((path / "config.json").read_text()))
+    assert cfg.anchor_group_size == group
+    assert "derived" in caplog.text
+
+
+def test_unresolvable_group_size_is_an_error(saved_draft):
+    _, _, path = saved_draft
+
+    def edit(cfg):
+        del cfg["dlite_config"]["anchor_group_size"]
+        del cfg["dlite_config"]["architecture_version"]
+
+    _edit_config(path, edit)
+    with pytest.raises(DraftConfigError, match="no 'anchor_group_size'"):
+        DraftConfig.from_dict(json.loads((path / "config.json").read_text()))
+
+
+def test_mismatched_width_vocab_and_missing_keys(saved_draft, tiny_dirs):
+    from dlite_ray.runtime.loading import load_target
+
+    target, _, path = saved_draft
+    with pytest.raises(DraftConfigError, match="draft width 64 != target width 32"):
+        DLiteDraftModel.load(path, torch.nn.Embedding(128, 32), 4)
+    with pytest.raises(DraftConfigError, match="vocabulary 128 != target vocabulary 99"):
+        DLiteDraftModel.load(path, torch.nn.Embedding(99, 64), 4)
+    with pytest.raises(DraftConfigError, match="made for 4 target layers"):
+        DLiteDraftModel.load(path, target.embed_tokens, 30)
+    state = load_file(path / "model.safetensors")
+    state.pop("sequential_head.output_proj.weight")
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(DraftConfigError, match="lacks 1 weights"):
+        DLiteDraftModel.load(path, target.embed_tokens, 4)
+
+
+def test_corrupt_shape_is_an_error(saved_draft):
+    target, _, path = saved_draft
+    state = load_file(path / "model.safetensors")
+    state["context_norm.weight"] = torch.ones(7)
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(DraftConfigError, match="context_norm.weight: shape"):
+        DLiteDraftModel.load(path, target.embed_tokens, 4)
