@@ -1,31 +1,58 @@
-"""Paged KV bookkeeping in plain Python: which blocks each sequence owns.
+"""Paged KV bookkeeping in plain Python, with a hash-chained prefix cache.
 
-The tensors live in `runtime.kv_cache.PagedKVCache`; here a sequence's block table grows
-as tokens are written, and shrinks on rollback (crop) or when the sequence is freed.
-Blocks are handed out lowest-id first so a lone sequence gets consecutive blocks, which
-the SDPA backend reads as one zero-copy slice.
+The tensors live in `runtime.kv_cache.PagedKVCache`; here each sequence's block table
+grows as tokens are written and shrinks on rollback (crop) or when freed.
+
+Prefix cache: a *full* block whose tokens are committed gets a chain hash
+(hash of its tokens and its parent's hash) and can then be shared by any sequence whose
+tokens start the same way (ref counts). A block nobody references keeps its content and
+hash in an LRU list until a fresh block is needed. Only full, committed blocks are
+shared, so a sequence only ever writes into blocks it owns alone; a shared block handed
+to a writer is copied first (`copy_on_write`).
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
+from dataclasses import dataclass
 
 
 class OutOfBlocks(RuntimeError):
     """The KV pool cannot hold the tokens asked for."""
 
 
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+@dataclass(slots=True)
+class _CachedBlock:
+    tokens: tuple[int, ...]  # kept to rule out hash collisions
+    hash: int
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._free: list[int] = list(range(num_blocks))  # a min-heap
+        self.enable_prefix_cache = enable_prefix_cache
+        self._free: list[int] = list(range(num_blocks))  # min-heap: consecutive blocks for lone sequences
         self._ref_counts = [0] * num_blocks
+        self._by_hash: dict[int, int] = {}  # chain hash -> block
+        self._content: dict[int, _CachedBlock] = {}  # block -> what it caches
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, LRU first
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must apply
 
+    # -- capacity -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -39,9 +66,7 @@ class BlockManager:
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} more KV blocks, {self.num_free_blocks} free")
         for _ in range(missing):
-            block = heapq.heappop(self._free)
-            self._ref_counts[block] = 1
-            table.append(block)
+            table.append(self._take_fresh())
 
     def crop(self, table: list[int], num_tokens: int) -> None:
         """Roll back: keep only the blocks that hold the first `num_tokens` positions."""
@@ -53,8 +78,87 @@ class BlockManager:
         while table:
             self._release(table.pop())
 
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def match_prefix(self, tokens: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """Longest chain of cached full blocks starting `tokens`, covering at most
+        `max_tokens`; the blocks are referenced for the caller. Returns (blocks, hashes)."""
+        blocks, hashes, parent = [], [], None
+        if not self.enable_prefix_cache:
+            return blocks, hashes
+        bs = self.block_size
+        for i in range(max_tokens // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, chunk)
+            block = self._by_hash.get(h)
+            if block is None or self._content[block].tokens != chunk:
+                break
+            self._reference(block)
+            blocks.append(block)
+            hashes.append(h)
+            parent = h
+        return blocks, hashes
+
+    def register_full_blocks(self, table: list[int], hashes: list[int], tokens: list[int], num_committed: int) -> None:
+        """Publish every full block of committed tokens not published yet (extends `hashes`)."""
+        if not self.enable_prefix_cache:
+            return
+        bs = self.block_size
+        for i in range(len(hashes), num_committed // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            hashes.append(h)
+            block = table[i]
+            if h not in self._by_hash and block not in self._content:
+                self._by_hash[h] = block
+                self._content[block] = _CachedBlock(chunk, h)
+
+    def copy_on_write(self, table: list[int], index: int) -> None:
+        """Before writing into table[index]: if another holder shares it, give this table a copy."""
+        block = table[index]
+        if self._ref_counts[block] == 1 and block not in self._content:
+            return
+        fresh = self._take_fresh()
+        self.copies.append((block, fresh))
+        self._release(block)
+        table[index] = fresh
+
+    def hold(self, block: int) -> None:
+        """One more holder of a block (e.g. a stored boundary pins a sequence's tail block)."""
+        self._reference(block)
+
+    def release(self, block: int) -> None:
+        self._release(block)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _take_fresh(self) -> int:
+        if self._free:
+            block = heapq.heappop(self._free)
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)  # least recently used
+            self._forget(block)
+        else:
+            raise OutOfBlocks("no free KV block")
+        self._ref_counts[block] = 1
+        return block
+
+    def _reference(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            self._evictable.pop(block, None)
+        self._ref_counts[block] += 1
+
     def _release(self, block: int) -> None:
         assert self._ref_counts[block] > 0, f"block {block} freed twice"
         self._ref_counts[block] -= 1
         if self._ref_counts[block] == 0:
-            heapq.heappush(self._free, block)
+            if block in self._content:
+                self._evictable[block] = None
+            else:
+                heapq.heappush(self._free, block)
+
+    def _forget(self, block: int) -> None:
+        cached = self._content.pop(block)
+        if self._by_hash.get(cached.hash) == block:
+            del self._by_hash[cached.hash]

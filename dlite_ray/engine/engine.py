@@ -11,9 +11,13 @@ import torch
 
 from dlite_ray.constants import DEFAULT_MAX_KV_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, KV_BLOCK_SIZE
 from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
+from dlite_ray.engine.block_manager import OutOfBlocks
+from dlite_ray.engine.boundary_store import BoundaryStore
 from dlite_ray.engine.model_runner import ModelRunner
+from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
+from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import load_target, weights_fingerprint
 from dlite_ray.runtime.target_model import TargetModel
@@ -34,16 +38,43 @@ class GenerationResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
+
+
 class DLiteEngine:
+    """Target + paged KV + scheduler + draft transport. `add_request` / `step` / `abort`
+    drive it one ragged forward at a time (the server's API); `generate` runs a batch."""
+
     def __init__(self, target: TargetModel, tokenizer, draft: DraftTransport | None, *,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, verify_block_size: int | None = None,
-                 max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS, block_size: int = KV_BLOCK_SIZE,
-                 attention_backend: str = "auto"):
+                 adaptive_draft_length: bool = True, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+                 block_size: int = KV_BLOCK_SIZE, attention_backend: str = "auto", enable_prefix_cache: bool = True,
+                 scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         tap_layers = draft.info.target_layer_ids if draft else ()
-        self.runner = ModelRunner(target, tap_layers, max_kv_tokens, block_size, attention_backend)
+        self.runner = ModelRunner(target, tap_layers, max_kv_tokens, block_size, attention_backend,
+                                  enable_prefix_cache)
         self.eos_ids = _eos_ids(target, tokenizer)
-        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, num_draft_tokens, verify_block_size)
+        k = min(num_draft_tokens, draft.info.max_draft_tokens) if draft else 0
+        if verify_block_size is not None:
+            if verify_block_size < 1:
+                raise InvalidRequest(f"verify_block_size={verify_block_size} must be >= 1")
+            k = min(k, verify_block_size - 1)  # never draft what the verify window would drop
+        self.policy = SpeculationPolicy(k, adaptive=adaptive_draft_length)
+        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy)
+        self.target_fingerprint = target.fingerprint()
+        self.draft_fingerprint = draft.info.fingerprint if draft else "none"
+        self.boundaries = BoundaryStore(self.runner.blocks, boundary_capacity) if enable_prefix_cache else None
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.runner.blocks, lookahead=k + 1,
+                                   admit=self._admit, evict=self._evict_cached, release=self.runner.release)
+        self._by_id: dict[str, Sequence] = {}
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = "default", *,
@@ -63,11 +94,12 @@ class DLiteEngine:
             tokenizer = AutoTokenizer.from_pretrained(target_path.parent, gguf_file=target_path.name)
         else:
             tokenizer = AutoTokenizer.from_pretrained(target_path)
+        draft_path = draft
+        if draft == "default":
+            draft_path = default_draft_dir() if target is None else None
+            if target is not None:
+                log.info("no default draft for a custom target: plain decoding (pass draft=PATH)")
         transport = None
-        draft_path = default_draft_dir() if draft == "default" and target is None else draft
-        if draft == "default" and target is not None:
-            draft_path = None
-            log.info("no default draft for a custom target: plain decoding (pass draft=PATH)")
         if draft_path is not None:
             drafter = DLiteDraftModel.load(draft_path, model.embed_tokens, model.cfg.num_layers, DTYPES[dtype], device)
             transport = InProcessDraftTransport(drafter, weights_fingerprint(drafter))
@@ -85,6 +117,9 @@ class DLiteEngine:
             raise InvalidRequest("a prompt must be a non-empty string, token-id list or list of chat messages")
         if not ids:
             raise InvalidRequest("the prompt is empty")
+        vocab = self.target.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequest(f"token ids must lie in [0, {vocab})")
         limit = self.runner.max_context
         if len(ids) >= limit:
             raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the model context of {limit}")
@@ -97,7 +132,72 @@ class DLiteEngine:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-    # -- generation -----------------------------------------------------------------------
+    # -- the serving API ----------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+        seq = Sequence(self.encode(prompt), params)
+        if request_id is not None:
+            if request_id in self._by_id:
+                raise InvalidRequest(f"request id {request_id!r} is already running")
+            seq.request_id = request_id
+        budget = self.runner.max_context - len(seq.token_ids)
+        seq.params.max_new_tokens = min(seq.params.max_new_tokens, budget)
+        self._by_id[seq.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def step(self) -> list[StepOutput]:
+        """One scheduled forward: prefill chunks and speculation rounds together."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            if self.scheduler.has_work():
+                raise OutOfBlocks("the KV pool cannot hold even one waiting request; raise max_kv_tokens")
+            return []
+        emitted = self.decoder.step(schedule)
+        outputs = [StepOutput(seq, toks) for seq, toks in emitted.items()]
+        for seq in emitted:
+            if seq.is_finished:
+                self._finish(seq)
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        self._finish(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _admit(self, seq: Sequence) -> None:
+        """First KV for a sequence: a stored boundary (no recompute), else the prefix cache."""
+        if self.boundaries is not None and self.draft is not None:
+            b = self.boundaries.take(seq.token_ids, self.target_fingerprint, self.draft_fingerprint)
+            if b is not None:
+                seq.block_table, seq.block_hashes = list(b.blocks), list(b.block_hashes)
+                seq.num_computed, seq.pivot_features = len(b.tokens), b.pivot_features
+                seq.stats.resumed_from_boundary = True
+                return
+        need = len(seq.token_ids) - 1
+        blocks, hashes = self.runner.blocks.match_prefix(seq.token_ids, need)
+        seq.block_table, seq.block_hashes = blocks, hashes
+        seq.num_computed = len(blocks) * self.runner.blocks.block_size
+        if seq.num_computed == need and need > 0 and self.draft is not None and self.runner.tap_layers:
+            seq.num_computed -= 1  # recompute the pivot: its features are not cached
+        seq.stats.cached_prompt_tokens = seq.num_computed
+
+    def _evict_cached(self) -> bool:
+        return self.boundaries is not None and self.boundaries.evict_oldest()
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        self._by_id.pop(seq.request_id, None)
+        if self.boundaries is not None and seq.finish_reason != "abort":
+            self.boundaries.save(seq.token_ids, seq.num_computed, seq.pivot_features, seq.block_table,
+                                 seq.block_hashes, self.target_fingerprint, self.draft_fingerprint)
+        self.runner.release(seq)
+
+    # -- the library API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
                  stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
@@ -107,39 +207,24 @@ class DLiteEngine:
         A prompt is a string, a list of chat messages ({"role", "content"}) or token ids.
         `callback(request_index, new_token_ids)` streams tokens as they are committed.
         """
-        seqs = self.make_sequences(prompts, max_new_tokens, temperature, top_k, top_p, seed, verify_mode,
-                                   stop_token_ids, ignore_eos)
-        for index, tokens in self.stream(seqs):
-            if callback is not None:
-                callback(index, tokens)
-        return [self.result(s) for s in seqs]
-
-    def make_sequences(self, prompts, max_new_tokens=128, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                       verify_mode=None, stop_token_ids=(), ignore_eos=False) -> list[Sequence]:
         batch = prompts if _is_batch(prompts) else [prompts]
+        encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
         seqs = []
-        for i, prompt in enumerate(batch):
-            params = SamplingParams(max_new_tokens, temperature, top_k, top_p,
-                                    None if seed is None else seed + i, verify_mode, tuple(stop_token_ids),
-                                    ignore_eos)
-            seqs.append(Sequence(self.encode(prompt), params))
-        return seqs
-
-    def stream(self, seqs: list[Sequence]) -> Iterator[tuple[int, list[int]]]:
-        """Run sequences to completion, yielding (index, newly committed token ids)."""
+        for i, ids in enumerate(encoded):
+            params = SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i,
+                                    verify_mode, tuple(stop_token_ids), ignore_eos)
+            seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}
         try:
-            for seq, toks in self.decoder.prefill(seqs).items():
-                yield index[seq], toks
-            running = [s for s in seqs if not s.is_finished]
-            while running:
-                for seq, toks in self.decoder.step(running).items():
-                    if toks:
-                        yield index[seq], toks
-                running = [s for s in running if not s.is_finished]
+            while any(not s.is_finished for s in seqs):
+                for out in self.step():
+                    if callback is not None and out.seq in index and out.new_token_ids:
+                        callback(index[out.seq], out.new_token_ids)
         finally:
             for s in seqs:
-                self.runner.release(s)
+                if not s.is_finished:
+                    self.abort(s.request_id)
+        return [self.result(s) for s in seqs]
 
     def result(self, seq: Sequence) -> GenerationResult:
         ids = [t for t in seq.output_ids if t not in self.eos_ids]
@@ -149,7 +234,8 @@ class DLiteEngine:
 
 def stats_dict(seq: Sequence) -> dict[str, Any]:
     st = seq.stats
-    after_first = len(seq.output_ids) - 1
+    # decode speed excludes the first round (its tokens arrive with the first token, at TTFT)
+    after_first = seq.num_outputs - (st.accept_lengths[0] if st.accept_lengths else 0)
     tps = after_first / st.decode_wall_time if st.decode_wall_time > 0 else 0.0
     return {
         "accept_lengths": st.accept_lengths,
@@ -161,8 +247,11 @@ def stats_dict(seq: Sequence) -> dict[str, Any]:
         "draft_time": st.draft_time,
         "verify_time": st.verify_time,
         "decode_tokens_per_second": tps,
-        "num_prompt_tokens": len(seq.prompt_ids),
-        "num_output_tokens": len(seq.output_ids),
+        "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_output_tokens": seq.num_outputs,
+        "cached_prompt_tokens": st.cached_prompt_tokens,
+        "resumed_from_boundary": st.resumed_from_boundary,
+        "ttft": (st.first_token_time - seq.arrival) if st.first_token_time else None,
     }
 
 

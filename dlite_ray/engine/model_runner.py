@@ -33,7 +33,7 @@ class RowOutput:
 
 class ModelRunner:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_kv_tokens: int, block_size: int,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", enable_prefix_cache: bool = True):
         self.target = target
         self.tap_layers = tap_layers
         param = next(target.parameters())
@@ -44,15 +44,20 @@ class ModelRunner:
         num_blocks = -(-max_kv_tokens // block_size)
         self.cache = PagedKVCache(target.cfg, num_blocks, block_size, self.dtype, self.device,
                                   block_major=self.backend.block_major)
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.max_context = target.cfg.max_position_embeddings
 
     def forward(self, rows: list[RowInput]) -> list[RowOutput]:
         for row in rows:
-            end = row.seq.num_computed + len(row.tokens)
+            seq = row.seq
+            end = seq.num_computed + len(row.tokens)
             if end > self.max_context:
                 raise InvalidRequest(f"sequence of {end} tokens exceeds the model context of {self.max_context}")
-            self.blocks.ensure_capacity(row.seq.block_table, end)
+            first_block = seq.num_computed // self.blocks.block_size
+            if first_block < len(seq.block_table):  # writing into a block that may be shared
+                self.blocks.copy_on_write(seq.block_table, first_block)
+            self.blocks.ensure_capacity(seq.block_table, end)
+        self._apply_block_copies()
         batch = self._build_batch(rows)
         out = self.target(batch, self.cache, self.backend)
         counts = [r.num_outputs for r in rows]
@@ -81,11 +86,20 @@ class ModelRunner:
             tap_indices=wanted_t if self.tap_layers else None, tap_layers=self.tap_layers,
         )
 
+    def _apply_block_copies(self) -> None:
+        for src, dst in self.blocks.copies:
+            self.cache.copy_block(src, dst)
+        self.blocks.copies.clear()
+
     def release(self, seq: Sequence) -> None:
+        """Free a sequence's KV (its committed full blocks stay in the prefix cache)."""
         self.blocks.free(seq.block_table)
+        seq.block_hashes.clear()
         seq.num_computed = 0
+        seq.pivot_features = None
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
-        """Roll the sequence's KV back to its first `num_computed` positions."""
+        """Keep the first `num_computed` positions (roll back the rest) and publish full blocks."""
         seq.num_computed = num_computed
         self.blocks.crop(seq.block_table, num_computed)
+        self.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, num_computed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +65,8 @@ class SequenceStats:
     decode_wall_time: float = 0.0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    cached_prompt_tokens: int = 0  # prompt positions found in the prefix cache
+    resumed_from_boundary: bool = False  # KV and pivot features reused with no target recompute
 
     def record_round(self, num_drafted: int, accepted: int) -> None:
         self.accept_lengths.append(accepted + 1)
@@ -84,32 +87,51 @@ _ids = itertools.count()
 
 @dataclass(eq=False)
 class Sequence:
-    prompt_ids: list[int]
+    """Invariant: the KV cache holds token_ids[:num_computed]; the last token is the anchor
+    (chosen, not yet run through the target). A sequence is ready to decode once
+    num_computed == len(token_ids) - 1; until then it is prefilling, in chunks."""
+
+    token_ids: list[int]
     params: SamplingParams
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     status: Status = Status.WAITING
-    output_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
-    num_computed: int = 0  # positions whose K/V sit in the cache
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full, committed blocks
+    num_computed: int = 0
     pivot_features: torch.Tensor | None = None  # [S, D] taps at position num_computed - 1
     finish_reason: str | None = None
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
-        if not self.prompt_ids:
+        if not self.token_ids:
             raise InvalidRequest("the prompt is empty")
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def anchor(self) -> int:
-        """The next token: chosen from the target's last logits, not yet run through it."""
-        return self.output_ids[-1]
+        return self.token_ids[-1]
+
+    @property
+    def num_to_prefill(self) -> int:
+        return len(self.token_ids) - 1 - self.num_computed
 
     @property
     def is_finished(self) -> bool:
@@ -119,12 +141,12 @@ class Sequence:
         """Commit tokens, stopping at a stop token or the length limit; returns what was kept."""
         kept = []
         for tok in tokens:
-            self.output_ids.append(tok)
+            self.token_ids.append(tok)
             kept.append(tok)
             if (tok in eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
                 self.finish("stop")
                 break
-            if len(self.output_ids) >= self.params.max_new_tokens:
+            if self.num_outputs >= self.params.max_new_tokens:
                 self.finish("length")
                 break
         return kept

@@ -1,9 +1,10 @@
-"""The DLite round for a batch of running sequences (REFERENCE.md section 1).
+"""One engine step: the DLite round for every decoding row, prefill chunks alongside
+(REFERENCE.md section 1).
 
-Per step: draft K_i tokens for every speculating row in one draft call, verify
-[anchor, d_1..d_K_i] for every row in one ragged target forward, accept per row, commit
-A_i + 1 tokens, crop each row's KV to n_i + A_i + 1, and take the next pivot features
-from the verify pass at index A_i. Rows with K_i = 0 decode plainly in the same forward.
+Per step: draft K_i tokens for every speculating row in one draft call, run prefill
+chunks and [anchor, d_1..d_K_i] verify rows in one ragged target forward, accept per
+row, commit A_i + 1 tokens, crop each row's KV to n_i + A_i + 1, and take the next pivot
+features from the verify pass at index A_i. Rows with K_i = 0 decode plainly.
 """
 
 from __future__ import annotations
@@ -16,57 +17,48 @@ import torch.nn.functional as F
 
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
-from dlite_ray.engine.sequence import Sequence, Status
-from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, RowSampling, probabilities, sample, \
-    verify_greedy, verify_match, verify_rejection
+from dlite_ray.engine.scheduler import Schedule
+from dlite_ray.engine.sequence import Sequence
+from dlite_ray.engine.speculation_policy import SpeculationPolicy
+from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, RowSampling, probabilities, verify_greedy, \
+    verify_match, verify_rejection
 
 
 class SpecDecoder:
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
-                 num_draft_tokens: int, verify_block_size: int | None = None):
-        self.runner, self.draft, self.eos_ids = runner, draft, eos_ids
-        limit = draft.info.max_draft_tokens if draft else 0
-        self.num_draft_tokens = min(num_draft_tokens, limit)
-        if verify_block_size is not None:
-            if verify_block_size < 1:
-                raise ValueError(f"verify_block_size={verify_block_size} must be >= 1")
-            # Never draft tokens the verify window would drop.
-            self.num_draft_tokens = min(self.num_draft_tokens, verify_block_size - 1)
+                 policy: SpeculationPolicy):
+        self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
 
-    # -- prefill ------------------------------------------------------------------------
-    def prefill(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
-        """Run whole prompts, sample each first token (the first anchor)."""
-        with _timer(self.runner.device) as t:
-            outs = self.runner.forward([RowInput(s, s.prompt_ids[s.num_computed:]) for s in seqs])
-            first = self._sample_rows(seqs, torch.stack([o.logits[-1] for o in outs])[:, None])[:, 0].tolist()
-        emitted = {}
-        now = time.perf_counter()
-        for seq, out, tok in zip(seqs, outs, first):
-            seq.num_computed = len(seq.prompt_ids)
-            seq.pivot_features = out.taps[-1] if out.taps is not None else None
-            seq.status = Status.RUNNING
-            seq.stats.prefill_time += t.elapsed
-            seq.stats.first_token_time = now
-            emitted[seq] = seq.append_tokens([tok], self.eos_ids)
-        return emitted
-
-    # -- one decode / speculation step ---------------------------------------------------
-    def step(self, seqs: list[Sequence]) -> dict[Sequence, list[int]]:
-        ks = [self._draft_length(s) for s in seqs]
-        drafts, q_probs, draft_time = self._propose(seqs, ks)
-        rows = [RowInput(s, [s.anchor] + drafts[i][:k], num_outputs=k + 1) for i, (s, k) in enumerate(zip(seqs, ks))]
+    def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
+        decodes = schedule.decodes
+        ks = self.policy.choose(decodes, [self._max_draft(s) for s in decodes], len(schedule.prefills))
+        drafts, q_probs, draft_time = self._propose(decodes, ks)
+        rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
+        rows += [RowInput(s, [s.anchor] + drafts[i], num_outputs=k + 1) for i, (s, k) in enumerate(zip(decodes, ks))]
+        accepted_l: list[int] = []
+        next_l: list[int] = []
         with _timer(self.runner.device) as t:
             outs = self.runner.forward(rows)
-            accepted, next_tokens = self._verify(seqs, ks, drafts, q_probs, outs)
-            accepted_l, next_l = accepted.tolist(), next_tokens.tolist()  # the step's one host sync
+            if decodes:
+                accepted, next_tokens = self._verify(decodes, ks, drafts, q_probs, outs[len(schedule.prefills):])
+                accepted_l, next_l = accepted.tolist(), next_tokens.tolist()  # the step's one host sync
+        self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, draft_time, ks, accepted_l)
+        for (seq, n), out in zip(schedule.prefills, outs):
+            self.runner.commit(seq, seq.num_computed + n)
+            seq.stats.prefill_time += t.elapsed
+            if seq.num_to_prefill == 0:
+                seq.pivot_features = out.taps[-1] if out.taps is not None else None
         emitted = {}
         now = time.perf_counter()
-        for i, seq in enumerate(seqs):
-            a = accepted_l[i]
+        for i, seq in enumerate(decodes):
+            a, out = accepted_l[i], outs[len(schedule.prefills) + i]
             self.runner.commit(seq, seq.num_computed + a + 1)
-            seq.pivot_features = outs[i].taps[a] if outs[i].taps is not None else None
+            seq.pivot_features = out.taps[a] if out.taps is not None else None
             st = seq.stats
+            if st.first_token_time is None:
+                st.first_token_time = now
             st.record_round(ks[i], a)
+            self.policy.record(seq, ks[i], a)
             st.draft_time += draft_time
             st.verify_time += t.elapsed
             st.decode_wall_time = now - st.first_token_time
@@ -74,32 +66,35 @@ class SpecDecoder:
             emitted[seq] = seq.append_tokens(drafts[i][:a] + [next_l[i]], self.eos_ids)
         return emitted
 
-    def _draft_length(self, seq: Sequence) -> int:
-        remaining = seq.params.max_new_tokens - len(seq.output_ids)
+    def _max_draft(self, seq: Sequence) -> int:
+        """The most tokens worth drafting: within the limit, the output budget and the context."""
+        if self.draft is None or (seq.pivot_features is None and self.draft.info.target_layer_ids):
+            return 0
+        remaining = seq.params.max_new_tokens - seq.num_outputs
         room = self.runner.max_context - seq.num_computed - 1
-        return max(0, min(self.num_draft_tokens, remaining - 1, room))
+        return max(0, min(self.draft.info.max_draft_tokens, remaining - 1, room))
 
     def _propose(self, seqs: list[Sequence], ks: list[int]):
         rows = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
-        if not rows or self.draft is None:
+        if not rows:
             return drafts, None, 0.0
         g = self.draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
+        device = self.runner.device
         request = DraftRequest(
-            token_groups=torch.tensor([_token_group(s.all_ids, g) for s in sub], dtype=torch.long,
-                                      device=self.runner.device),
+            token_groups=torch.tensor([_token_group(s.token_ids, g) for s in sub], dtype=torch.long, device=device),
             features=torch.stack([s.pivot_features for s in sub]) if sub[0].pivot_features is not None else None,
             num_tokens=max(ks[i] for i in rows),
-            sampling=_row_sampling(sub, self.runner.device),
-            draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=self.runner.device),
+            sampling=_row_sampling(sub, device),
+            draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=device),
         )
-        with _timer(self.runner.device) as t:
+        with _timer(device) as t:
             proposal = self.draft.propose(request)
             tokens = proposal.tokens.tolist()
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]
-        q_probs = {i: proposal.probs[j] for j, i in enumerate(rows)} if proposal.probs is not None else None
+        q_probs = {i: proposal.probs[j, :ks[i]] for j, i in enumerate(rows)} if proposal.probs is not None else None
         return drafts, q_probs, t.elapsed
 
     def _verify(self, seqs, ks, drafts, q_probs, outs: list[RowOutput]):
@@ -129,20 +124,10 @@ class SpecDecoder:
             accepted[it], next_tokens[it] = a, t
         return accepted, next_tokens
 
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """logits [B, 1, V] -> [B, 1]: argmax for greedy rows, a processed sample otherwise."""
-        tokens = logits.argmax(dim=-1)
-        idx = [i for i, s in enumerate(seqs) if s.params.mode != GREEDY]
-        if idx:
-            it = torch.tensor(idx, device=logits.device)
-            rs = _row_sampling([seqs[i] for i in idx], logits.device)
-            tokens[it] = sample(probabilities(logits[it], rs), rs.generators)
-        return tokens
-
 
 def _token_group(ids: list[int], g: int) -> list[int]:
     """The G tokens ending at the anchor (left-padded with the first token if shorter)."""
-    return ([ids[0]] * g + ids)[-g:]
+    return ([ids[0]] * g + ids[-g:])[-g:]
 
 
 def _row_sampling(seqs: list[Sequence], device) -> RowSampling:

@@ -43,5 +43,15 @@ class PagedKVCache:
             self.k[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
             self.v[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K/V in every layer (copy-on-write of a shared block)."""
+        if self.block_major:
+            self.k[:, dst].copy_(self.k[:, src])
+            self.v[:, dst].copy_(self.v[:, src])
+        else:
+            bs = self.block_size
+            self.k[:, :, dst * bs:(dst + 1) * bs].copy_(self.k[:, :, src * bs:(src + 1) * bs])
+            self.v[:, :, dst * bs:(dst + 1) * bs].copy_(self.v[:, :, src * bs:(src + 1) * bs])
+
     def memory_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()

@@ -37,7 +37,7 @@ def test_oracle_draft_matches_target(tiny_target, reference, wrong_rate):
     assert [r.token_ids for r in out] == reference
     mean_tau = sum(r.stats["mean_accept_length"] for r in out) / len(out)
     if wrong_rate == 0:
-        assert mean_tau > 6  # a perfect draft: nearly every round commits K + 1 = 8 tokens
+        assert mean_tau > 5.5  # a perfect draft: full rounds of K + 1 = 8, short only at the end
     else:
         assert 1.5 < mean_tau < 6  # rejections happened, and output still matched
 
@@ -55,8 +55,8 @@ def test_verify_block_sizes(tiny_target, reference, verify_block_size):
 def test_rows_advance_by_their_own_acceptance(tiny_target, reference):
     engine = make_engine(tiny_target, _oracle(PROMPTS, reference, 0.3))
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
-    for r in out:  # every committed token after the first came from this row's own rounds
-        assert sum(r.stats["accept_lengths"]) == len(r.token_ids) - 1
+    for r in out:  # every committed token came from this row's own rounds
+        assert sum(r.stats["accept_lengths"]) == len(r.token_ids)
     assert len({tuple(r.stats["accept_lengths"]) for r in out}) > 1  # rows did not move in lockstep
 
 

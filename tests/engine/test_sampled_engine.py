@@ -75,25 +75,27 @@ def test_seeded_generation_is_reproducible(small_vocab):
 
 
 def test_kv_after_rounds_equals_fresh_prefill(tiny_target, tiny_draft):
+    from dlite_ray.engine.sequence import SamplingParams
+
     engine = make_engine(tiny_target, tiny_draft, block_size=4)
-    seqs = engine.make_sequences([list(range(3, 20)), list(range(40, 49))], max_new_tokens=30)
-    dec = engine.decoder
-    dec.prefill(seqs)
-    for _ in range(6):
-        dec.step([s for s in seqs if not s.is_finished])
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=30)) for p in (list(range(3, 20)), list(range(40, 49)))]
+    for _ in range(8):
+        engine.step()
+    assert not any(s.is_finished for s in seqs)
     assert any(a < 8 for s in seqs for a in s.stats.accept_lengths)  # rejections happened
     cache = engine.runner.cache
     for seq in seqs:
         n = seq.num_computed
         fresh_runner = new_runner(tiny_target, block_size=4)
-        fresh = new_seq(seq.all_ids[:n])
-        fresh_runner.forward([RowInput(fresh, seq.all_ids[:n])])
+        fresh = new_seq(seq.token_ids[:n])
+        fresh_runner.forward([RowInput(fresh, seq.token_ids[:n])])
+        slots = torch.tensor([b * 4 + o for b in seq.block_table for o in range(4)])[:n]
+        fresh_slots = torch.tensor([b * 4 + o for b in fresh.block_table for o in range(4)])[:n]
         for layer in range(tiny_target.cfg.num_layers):
-            slots = torch.tensor([b * 4 + o for b in seq.block_table for o in range(4)])[:n]
-            fresh_slots = torch.tensor([b * 4 + o for b in fresh.block_table for o in range(4)])[:n]
             torch.testing.assert_close(cache.k[layer][:, slots], fresh_runner.cache.k[layer][:, fresh_slots],
                                        atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(cache.v[layer][:, slots], fresh_runner.cache.v[layer][:, fresh_slots],
                                        atol=1e-5, rtol=1e-5)
     for s in seqs:
-        engine.runner.release(s)
+        engine.abort(s.request_id)
+    assert engine.runner.blocks.num_used_blocks == 0 or engine.boundaries is not None

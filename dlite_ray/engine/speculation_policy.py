@@ -1,0 +1,95 @@
+"""Load-aware draft length: per step, K_i per request from measured costs and acceptance.
+
+Cost model (refit online from the steps themselves): a target forward over T new tokens
+takes v0 + v1 * T; a draft call for k tokens takes d0 + d1 * k. Row i accepts each
+drafted token with probability alpha_i (its own running estimate, from a prior), so its
+j-th drafted token adds alpha_i ** j expected tokens. Starting from plain decoding,
+draft tokens are added greedily while they raise expected tokens per second of the
+whole step; when speculation does not pay (low acceptance, compute-bound batch), every
+K_i stays 0 and the engine decodes plainly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from dlite_ray.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class CostModel:
+    v0: float = 0.03  # s per forward (weights read once): priors for a small CPU model
+    v1: float = 0.0008  # s per extra token in the forward
+    d0: float = 0.003  # s per draft call
+    d1: float = 0.0008  # s per drafted position
+
+
+class SpeculationPolicy:
+    PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 8.0
+    WINDOW = 64
+
+    def __init__(self, max_draft_tokens: int, adaptive: bool = True):
+        self.max_draft_tokens, self.adaptive = max_draft_tokens, adaptive
+        self.cost = CostModel()
+        self._forward: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self._draft: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
+        self._accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
+
+    def alpha(self, seq: Sequence) -> float:
+        accepted, reached = self._accept.get(seq, (0.0, 0.0))
+        return (accepted + self.PRIOR_ALPHA * self.PRIOR_WEIGHT) / (reached + self.PRIOR_WEIGHT)
+
+    def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0) -> list[int]:
+        caps = [min(c, self.max_draft_tokens) for c in caps]
+        if not self.adaptive or not seqs:
+            return caps
+        c = self.cost
+        ks = [0] * len(seqs)
+        alphas = [self.alpha(s) for s in seqs]
+        gain = float(len(seqs))  # every row emits at least one token
+        time = c.v0 + c.v1 * (prefill_tokens + len(seqs))
+        while True:
+            best, best_ratio = None, 0.0
+            k_max = max(ks)
+            for i, (k, cap) in enumerate(zip(ks, caps)):
+                if k >= cap:
+                    continue
+                extra = c.v1 + (c.d1 if k + 1 > k_max else 0.0) + (c.d0 if k_max == 0 else 0.0)
+                ratio = alphas[i] ** (k + 1) / extra
+                if ratio > best_ratio:
+                    best, best_ratio, best_cost = i, ratio, extra
+            if best is None or best_ratio <= gain / time:
+                return ks
+            gain += alphas[best] ** (ks[best] + 1)
+            time += best_cost
+            ks[best] += 1
+
+    def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int],
+                accepted: list[int], seqs: list[Sequence] | None = None) -> None:
+        self._forward.append((forward_tokens, forward_time))
+        if max(ks, default=0) > 0:
+            self._draft.append((max(ks), draft_time))
+        self.cost.v0, self.cost.v1 = _fit(self._forward, self.cost.v0, self.cost.v1)
+        self.cost.d0, self.cost.d1 = _fit(self._draft, self.cost.d0, self.cost.d1)
+
+    def record(self, seq: Sequence, k: int, accepted: int) -> None:
+        if k == 0:
+            return
+        stats = self._accept.setdefault(seq, [0.0, 0.0])
+        stats[0] += accepted
+        stats[1] += min(accepted + 1, k)  # positions examined up to the first rejection
+
+
+def _fit(samples, intercept: float, slope: float) -> tuple[float, float]:
+    """Least squares on (x, t) when x varies enough; else keep the slope, refit the intercept."""
+    if len(samples) < 4:
+        return intercept, slope
+    xs = [x for x, _ in samples]
+    ts = [t for _, t in samples]
+    mx, mt = sum(xs) / len(xs), sum(ts) / len(ts)
+    var = sum((x - mx) ** 2 for x in xs)
+    if max(xs) - min(xs) >= 4 and var > 0:
+        slope = max(1e-6, sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / var)
+    return max(1e-6, mt - slope * mx), slope
