@@ -141,6 +141,11 @@ class DLiteEngine:
             seq.request_id = request_id
         budget = self.runner.max_context - len(seq.token_ids)
         seq.params.max_new_tokens = min(seq.params.max_new_tokens, budget)
+        blocks = self.runner.blocks
+        worst = len(seq.token_ids) + seq.params.max_new_tokens + self.scheduler.lookahead
+        if blocks.blocks_needed(worst) > blocks.num_blocks:
+            raise InvalidRequest(f"request needs up to {worst} KV positions; the pool holds "
+                                 f"{blocks.num_blocks * blocks.block_size} (raise max_kv_tokens)")
         self._by_id[seq.request_id] = seq
         self.scheduler.add(seq)
         return seq

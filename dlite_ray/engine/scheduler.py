@@ -2,7 +2,9 @@
 preemption by recompute. Plain Python, no tensors.
 
 Each step's batch is a ragged mix of prefill chunks and decode rows; a decode row needs
-room for its anchor plus up to `lookahead - 1` drafted tokens.
+room for its anchor plus up to `lookahead - 1` drafted tokens. Blocks are reserved when
+a row is scheduled, so one step's admissions never overcommit the pool; the rows' commit
+crops what the round did not keep.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class Scheduler:
             while not self.blocks.can_hold(seq.block_table, need) and self._make_room(seq, out):
                 pass
             if seq in self.running and self.blocks.can_hold(seq.block_table, need):
+                self.blocks.ensure_capacity(seq.block_table, need)  # reserve now, for this step
                 out.decodes.append(seq)
                 budget -= min(self.lookahead, need - seq.num_computed)
         # 2. prefill chunks: running sequences mid-prefill, then admissions
@@ -86,6 +89,7 @@ class Scheduler:
             if seq.num_to_prefill == 0:
                 if not self.blocks.can_hold(seq.block_table, seq.num_computed + self.lookahead):
                     break
+                self.blocks.ensure_capacity(seq.block_table, seq.num_computed + self.lookahead)
                 self.waiting.popleft()
                 seq.status = Status.RUNNING
                 self.running.append(seq)
@@ -97,6 +101,7 @@ class Scheduler:
                 if not self._evict():
                     break
                 continue
+            self.blocks.ensure_capacity(seq.block_table, seq.num_computed + chunk)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -107,6 +112,7 @@ class Scheduler:
     def _plan_prefill(self, seq: Sequence, budget: int, out: Schedule) -> int:
         chunk = min(seq.num_to_prefill, budget)
         if chunk > 0 and self.blocks.can_hold(seq.block_table, seq.num_computed + chunk):
+            self.blocks.ensure_capacity(seq.block_table, seq.num_computed + chunk)
             out.prefills.append((seq, chunk))
             budget -= chunk
         return budget

@@ -27,7 +27,9 @@ class CostModel:
 
 
 class SpeculationPolicy:
-    PRIOR_ALPHA, PRIOR_WEIGHT = 0.6, 8.0
+    # A new request starts from the engine's recent acceptance (floored, so a request can
+    # always rediscover a draft that got better), worth PRIOR_WEIGHT examined positions.
+    PRIOR_WEIGHT, PRIOR_FLOOR, GLOBAL_DECAY = 2.0, 0.3, 0.98
     WINDOW = 64
 
     def __init__(self, max_draft_tokens: int, adaptive: bool = True):
@@ -36,35 +38,40 @@ class SpeculationPolicy:
         self._forward: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._draft: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
+        self._global = [0.6, 1.0]  # decayed (accepted, examined) over all requests
 
     def alpha(self, seq: Sequence) -> float:
         accepted, reached = self._accept.get(seq, (0.0, 0.0))
-        return (accepted + self.PRIOR_ALPHA * self.PRIOR_WEIGHT) / (reached + self.PRIOR_WEIGHT)
+        prior = max(self.PRIOR_FLOOR, self._global[0] / self._global[1])
+        return (accepted + prior * self.PRIOR_WEIGHT) / (reached + self.PRIOR_WEIGHT)
 
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0) -> list[int]:
         caps = [min(c, self.max_draft_tokens) for c in caps]
-        if not self.adaptive or not seqs:
+        if not self.adaptive or not seqs or max(caps) == 0:
             return caps
         c = self.cost
+        plain_time = c.v0 + c.v1 * (prefill_tokens + len(seqs))
+        plain_rate = len(seqs) / plain_time
+        # With drafting, the call's fixed cost is paid once; then add the draft positions
+        # that raise tokens per second most, one at a time, while they still do.
         ks = [0] * len(seqs)
         alphas = [self.alpha(s) for s in seqs]
-        gain = float(len(seqs))  # every row emits at least one token
-        time = c.v0 + c.v1 * (prefill_tokens + len(seqs))
+        gain, time = float(len(seqs)), plain_time + c.d0
         while True:
-            best, best_ratio = None, 0.0
+            best, best_ratio, best_cost = None, 0.0, 0.0
             k_max = max(ks)
             for i, (k, cap) in enumerate(zip(ks, caps)):
-                if k >= cap:
-                    continue
-                extra = c.v1 + (c.d1 if k + 1 > k_max else 0.0) + (c.d0 if k_max == 0 else 0.0)
-                ratio = alphas[i] ** (k + 1) / extra
-                if ratio > best_ratio:
-                    best, best_ratio, best_cost = i, ratio, extra
+                if k < cap:
+                    extra = c.v1 + (c.d1 if k + 1 > k_max else 0.0)
+                    ratio = alphas[i] ** (k + 1) / extra
+                    if ratio > best_ratio:
+                        best, best_ratio, best_cost = i, ratio, extra
             if best is None or best_ratio <= gain / time:
-                return ks
+                break
             gain += alphas[best] ** (ks[best] + 1)
             time += best_cost
             ks[best] += 1
+        return ks if gain / time > plain_rate else [0] * len(seqs)
 
     def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int],
                 accepted: list[int], seqs: list[Sequence] | None = None) -> None:
@@ -77,9 +84,12 @@ class SpeculationPolicy:
     def record(self, seq: Sequence, k: int, accepted: int) -> None:
         if k == 0:
             return
+        examined = min(accepted + 1, k)  # positions examined up to the first rejection
         stats = self._accept.setdefault(seq, [0.0, 0.0])
         stats[0] += accepted
-        stats[1] += min(accepted + 1, k)  # positions examined up to the first rejection
+        stats[1] += examined
+        g = self._global
+        g[0], g[1] = g[0] * self.GLOBAL_DECAY + accepted, g[1] * self.GLOBAL_DECAY + examined
 
 
 def _fit(samples, intercept: float, slope: float) -> tuple[float, float]:
