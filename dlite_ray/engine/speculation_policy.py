@@ -30,6 +30,9 @@ class SpeculationPolicy:
     # A new request starts from the engine's recent acceptance (floored, so a request can
     # always rediscover a draft that got better), worth PRIOR_WEIGHT examined positions.
     PRIOR_WEIGHT, PRIOR_FLOOR, GLOBAL_DECAY = 2.0, 0.3, 0.98
+    # A request that is not drafting forgets its evidence geometrically, so it retries
+    # after a few plain rounds instead of staying off for good after one bad round.
+    IDLE_DECAY = 0.7
     WINDOW = 64
 
     def __init__(self, max_draft_tokens: int, adaptive: bool = True):
@@ -71,7 +74,11 @@ class SpeculationPolicy:
             gain += alphas[best] ** (ks[best] + 1)
             time += best_cost
             ks[best] += 1
-        return ks if gain / time > plain_rate else [0] * len(seqs)
+        chosen = ks if gain / time > plain_rate else [0] * len(seqs)
+        for seq, k in zip(seqs, chosen):
+            if k == 0 and seq in self._accept:
+                self._accept[seq] = [x * self.IDLE_DECAY for x in self._accept[seq]]
+        return chosen
 
     def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int],
                 accepted: list[int], seqs: list[Sequence] | None = None) -> None:
