@@ -15,6 +15,10 @@ from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.runtime.sampling import RowSampling
 
 
+class DraftUnavailable(RuntimeError):
+    """The draft could not answer this round; the engine decodes plainly meanwhile."""
+
+
 @dataclass(slots=True)
 class DraftRequest:
     """Target -> draft, for N rows: what a history-free draft needs, nothing more."""

@@ -19,7 +19,7 @@ from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.runtime.draft_model import DLiteDraftModel
-from dlite_ray.runtime.loading import load_target, weights_fingerprint
+from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.runtime.target_model import TargetModel
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class DLiteEngine:
         transport = None
         if draft_path is not None:
             drafter = DLiteDraftModel.load(draft_path, model.embed_tokens, model.cfg.num_layers, DTYPES[dtype], device)
-            transport = InProcessDraftTransport(drafter, weights_fingerprint(drafter))
+            transport = InProcessDraftTransport(drafter, checkpoint_fingerprint(draft_path))
         return cls(model, tokenizer, transport, attention_backend=attention_backend, **engine_kwargs)
 
     # -- prompts --------------------------------------------------------------------------

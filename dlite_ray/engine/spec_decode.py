@@ -9,19 +9,23 @@ features from the verify pass at index A_i. Rows with K_i = 0 decode plainly.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport
+from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, DraftUnavailable
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, RowSampling, probabilities, verify_greedy, \
     verify_match, verify_rejection
+
+
+log = logging.getLogger(__name__)
 
 
 class SpecDecoder:
@@ -90,7 +94,12 @@ class SpecDecoder:
             draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=device),
         )
         with _timer(device) as t:
-            proposal = self.draft.propose(request)
+            try:
+                proposal = self.draft.propose(request)
+            except DraftUnavailable as exc:
+                log.warning("draft unavailable, decoding plainly this step: %s", exc)
+                ks[:] = [0] * len(ks)
+                return drafts, None, t.elapsed
             tokens = proposal.tokens.tolist()
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]

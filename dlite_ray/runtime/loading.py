@@ -85,6 +85,31 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return hf_config, dict(hf_model.state_dict())
 
 
+def load_embedding(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Embedding:
+    """Only the target's token embedding (what a draft process needs), without the rest."""
+    from safetensors import safe_open  # noqa: PLC0415
+
+    path = Path(path)
+    if path.is_dir():
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(f, framework="pt") as st:
+                for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
+                    if key in st.keys():
+                        return nn.Embedding.from_pretrained(st.get_tensor(key).to(dtype), freeze=True)
+        raise CheckpointError(f"{path} has no embed_tokens weight")
+    return nn.Embedding.from_pretrained(load_target(path, dtype).embed_tokens.weight.detach(), freeze=True)
+
+
+def checkpoint_fingerprint(directory: str | Path) -> str:
+    """Hash of a checkpoint directory's config and weights files: the same on every process."""
+    h = hashlib.sha256()
+    for f in sorted(Path(directory).glob("*")):
+        if f.suffix in (".json", ".safetensors"):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def weights_fingerprint(model: nn.Module) -> str:
     """Hash of shapes plus a strided sample of every tensor: stable, cheap, weight-sensitive."""
     h = hashlib.sha256()

@@ -1,0 +1,121 @@
+"""AsyncEngine: the engine's step loop on a background thread, streams for asyncio callers.
+
+One thread owns the DLiteEngine (every tensor, the scheduler); callers on an event loop
+submit requests and await their tokens. A request that fails validation raises in the
+caller and never reaches the loop, so a bad request cannot disturb the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from dlite_ray.engine.engine import DLiteEngine, Prompt, stats_dict
+from dlite_ray.engine.sequence import SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Chunk:
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    stats: dict | None = None
+
+
+class AsyncEngine:
+    def __init__(self, engine: DLiteEngine):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dlite-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[Chunk]:
+        """Stream a request's tokens; cancelling the consumer aborts the request."""
+        ids = self.engine.encode(prompt)  # validation errors surface here, in the caller
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+        done = asyncio.Event()
+        seq_holder: list[Sequence] = []
+        self._inbox.put(("add", ids, params, request_id, loop, out, seq_holder))
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    done.set()
+                    return
+        finally:
+            if not done.is_set() and seq_holder:
+                self._inbox.put(("abort", seq_holder[0].request_id))
+
+    def stats(self) -> dict:
+        blocks = self.engine.runner.blocks
+        return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
+                "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=10)
+
+    # -- the engine thread ------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+                log.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                seq = out.seq
+                chunk = Chunk(out.new_token_ids, seq.is_finished, seq.finish_reason,
+                              stats_dict(seq) if seq.is_finished else None)
+                self._emit(seq.request_id, chunk, final=seq.is_finished)
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if item[0] == "add":
+                _, ids, params, request_id, loop, out, holder = item
+                try:
+                    seq = self.engine.add_request(ids, params, request_id)
+                except Exception as exc:  # noqa: BLE001 - reported to that caller only
+                    loop.call_soon_threadsafe(out.put_nowait, exc)
+                    continue
+                holder.append(seq)
+                self._streams[seq.request_id] = (loop, out)
+            elif item[0] == "abort":
+                if self.engine.abort(item[1]):
+                    self._streams.pop(item[1], None)
+            elif item[0] == "stop":
+                return
+
+    def _emit(self, request_id: str, chunk: Chunk, final: bool) -> None:
+        target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if target is not None:
+            loop, out = target
+            loop.call_soon_threadsafe(out.put_nowait, chunk)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, (loop, out) in list(self._streams.items()):
+            self.engine.abort(request_id)
+            loop.call_soon_threadsafe(out.put_nowait, RuntimeError(f"engine step failed: {exc}"))
+        self._streams.clear()

@@ -1,0 +1,1 @@
+"""Ray Serve application: ingress (HTTP + gRPC), target worker, draft worker, transport."""

@@ -1,0 +1,36 @@
+"""The Serve application builder: `serve run deployments/dlite.yaml`."""
+
+from __future__ import annotations
+
+from ray.serve import Application
+
+from dlite_ray.serve.config import AppArgs
+from dlite_ray.serve.ingress import DLiteIngressDeployment
+from dlite_ray.serve.target_worker import TargetWorkerDeployment
+
+
+def build_app(args: AppArgs | dict) -> Application:
+    """Ingress in front of TargetWorker pairs (target bundle + draft bundle each)."""
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    disaggregated = args.engine.disaggregated_draft and args.engine.draft != "none"
+    gpu = args.engine.device == "cuda"
+    # A bundle may not be all zeros: a token CPU share keeps 2-core machines schedulable.
+    cpus = max(args.replica_num_cpus, 0.01)
+    bundle = {"CPU": cpus, "GPU": 1} if gpu else {"CPU": cpus}
+    if gpu and args.accelerator_type:
+        bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
+    worker_options: dict = {"max_ongoing_requests": args.max_ongoing_requests,
+                            "ray_actor_options": {"num_cpus": args.replica_num_cpus}}
+    if disaggregated:
+        # bundle 0: the target (the replica itself); bundle 1: its DraftWorker
+        worker_options["placement_group_bundles"] = [dict(bundle), dict(bundle)]
+        worker_options["placement_group_strategy"] = "STRICT_PACK"
+        worker_options["ray_actor_options"] = {"num_cpus": cpus}
+    elif gpu:
+        worker_options["ray_actor_options"]["num_gpus"] = 1
+    if args.autoscaling:
+        worker_options["autoscaling_config"] = args.autoscaling
+    else:
+        worker_options["num_replicas"] = args.num_replicas
+    worker = TargetWorkerDeployment.options(**worker_options).bind(args)
+    return DLiteIngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, args)

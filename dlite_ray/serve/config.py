@@ -1,0 +1,46 @@
+"""User-facing configuration of the Serve application (validated from deployments/*.yaml)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    target: str | None = Field(None, description="HF directory or .gguf of the target; null = embedded SmolLM2-135M-Instruct")
+    draft: str = Field("default", description="draft checkpoint directory, 'default' (shipped) or 'none' (plain decoding)")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and activations dtype")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="device of the target (and of the draft, on its own GPU)")
+    attention_backend: Literal["auto", "sdpa", "flash_attn"] = Field("auto", description="target attention kernel")
+    num_draft_tokens: int = Field(7, ge=0, le=32, description="K: most tokens drafted per round")
+    adaptive_draft_length: bool = Field(True, description="choose K per request and step from measured costs")
+    max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
+    disaggregated_draft: bool = Field(True, description="run the draft in its own actor (bundle 1) over torch.distributed")
+    draft_timeout_s: float = Field(30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
+
+
+class LimitArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens_cap: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest HTTP body accepted")
+    max_messages: int = Field(512, ge=1, description="most chat messages in one request")
+
+
+class AppArgs(BaseModel):
+    """Arguments of `dlite_ray.serve.app:build_app` (the `args:` block of the Serve YAML)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: EngineArgs = Field(default_factory=EngineArgs, description="the engine each TargetWorker runs")
+    limits: LimitArgs = Field(default_factory=LimitArgs, description="request limits enforced by the ingress")
+    model_name: str = Field("dlite-smollm2-135m", description="the model id served in /v1/models")
+    num_replicas: int | None = Field(1, ge=1, description="fixed TargetWorker replicas (ignored with autoscaling)")
+    autoscaling: dict | None = Field(None, description="Serve autoscaling_config for TargetWorker pairs")
+    max_ongoing_requests: int = Field(64, ge=1, description="requests a TargetWorker takes at once")
+    replica_num_cpus: float = Field(0, ge=0, description="logical CPUs per replica (0 on small CPU machines)")
+    accelerator_type: str | None = Field(None, description="e.g. H800: pin pairs to that GPU type")

@@ -1,0 +1,49 @@
+"""Typed errors at the serving boundary, mapped once to HTTP status and gRPC code."""
+
+from __future__ import annotations
+
+import grpc
+
+from dlite_ray.engine.sequence import InvalidRequest
+
+
+class ServeError(Exception):
+    http_status = 500
+    grpc_code = grpc.StatusCode.INTERNAL
+    error_type = "server_error"
+
+
+class BadRequest(ServeError):
+    http_status, grpc_code, error_type = 400, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+
+
+class PayloadTooLarge(ServeError):
+    http_status, grpc_code, error_type = 413, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+
+
+class Unauthenticated(ServeError):
+    http_status, grpc_code, error_type = 401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error"
+
+
+class ConversationNotFound(ServeError):
+    http_status, grpc_code, error_type = 404, grpc.StatusCode.NOT_FOUND, "not_found_error"
+
+
+class Overloaded(ServeError):
+    http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
+
+
+class NotImplementedYet(ServeError):
+    http_status, grpc_code, error_type = 501, grpc.StatusCode.UNIMPLEMENTED, "not_implemented_error"
+
+
+def as_serve_error(exc: Exception) -> ServeError:
+    if isinstance(exc, ServeError):
+        return exc
+    if isinstance(exc, (InvalidRequest, ValueError)):
+        return BadRequest(str(exc))
+    return ServeError("internal error")
+
+
+def openai_error_body(err: ServeError) -> dict:
+    return {"error": {"message": str(err), "type": err.error_type, "code": err.http_status}}

@@ -1,0 +1,192 @@
+"""DLiteIngress: OpenAI-compatible HTTP (FastAPI) and the dlite.v1.DLiteService gRPC
+methods, in one deployment in front of the TargetWorker replicas. Validation happens
+here, before anything reaches an engine; typed errors map once to status codes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from dlite_ray.serve.config import AppArgs
+from dlite_ray.serve.errors import (NotImplementedYet, PayloadTooLarge, ServeError, as_serve_error,
+                                    openai_error_body)
+from dlite_ray.serve.metrics import Metrics
+from dlite_ray.serve.proto import dlite_pb2
+from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion, sampling
+
+log = logging.getLogger(__name__)
+app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
+
+
+class DLiteIngress:
+    def __init__(self, worker: DeploymentHandle, args: AppArgs):
+        self.worker, self.args = worker, args
+        self.metrics = Metrics()
+
+    # -- HTTP -------------------------------------------------------------------------------
+    @app.get("/healthz")
+    async def healthz(self) -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "owned_by": "dlite-ray"}]}
+
+    @app.get("/metrics")
+    async def prometheus(self) -> PlainTextResponse:
+        self.metrics.set_worker_stats(await self.worker.stats.remote())
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._http(request, parse_chat, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._http(request, parse_completion, chat=False)
+
+    async def _http(self, request: Request, parse, chat: bool):
+        try:
+            parsed = parse(await self._json(request), self.args.limits)
+            await self.worker.encode.remote(parsed.prompt)  # context-length errors before streaming starts
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
+            err = as_serve_error(_unwrap(exc))
+            self.metrics.error(err)
+            return JSONResponse(openai_error_body(err), status_code=err.http_status)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if parsed.stream:
+            return StreamingResponse(self._sse(rid, parsed, chat), media_type="text/event-stream")
+        text, finish, stats, n = "", None, None, 0
+        async for chunk in self._generate(parsed):
+            text += chunk["text"]
+            n += len(chunk["token_ids"])
+            finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
+        usage = {"prompt_tokens": (stats or {}).get("num_prompt_tokens", 0), "completion_tokens": n,
+                 "total_tokens": (stats or {}).get("num_prompt_tokens", 0) + n}
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
+                  else {"index": 0, "text": text, "finish_reason": finish})
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
+
+    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool) -> AsyncIterator[str]:
+        try:
+            async for chunk in self._generate(parsed):
+                delta = {"content": chunk["text"]} if chat else None
+                choice = ({"index": 0, "delta": delta, "finish_reason": chunk["finish_reason"]} if chat
+                          else {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]})
+                body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": int(time.time()), "model": self.args.model_name, "choices": [choice]}
+                yield f"data: {json.dumps(body)}\n\n"
+        except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
+            err = as_serve_error(_unwrap(exc))
+            yield f"data: {json.dumps(openai_error_body(err))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _json(self, request: Request) -> Any:
+        raw = await request.body()
+        if len(raw) > self.args.limits.max_body_bytes:
+            raise PayloadTooLarge(f"body of {len(raw)} bytes exceeds {self.args.limits.max_body_bytes}")
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise as_serve_error(ValueError(f"the body is not UTF-8 JSON: {exc}")) from exc
+
+    async def _generate(self, parsed: ParsedRequest) -> AsyncIterator[dict]:
+        params = {f: getattr(parsed.params, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
+        started = time.perf_counter()
+        async for chunk in self.worker.options(stream=True).generate.remote(parsed.prompt, params):
+            if chunk["finished"]:
+                self.metrics.finished(chunk["stats"] or {}, time.perf_counter() - started)
+            yield chunk
+
+    # -- gRPC (method names = RPC names) --------------------------------------------------------
+    async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):  # noqa: N802
+        try:
+            parsed = self._parse_grpc(request)
+            await self.worker.encode.remote(parsed.prompt)
+        except Exception as exc:  # noqa: BLE001
+            yield self._grpc_error(grpc_context, as_serve_error(_unwrap(exc)))
+            return
+        try:
+            async for chunk in self._generate(parsed):
+                yield dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
+                                              finish_reason=chunk["finish_reason"] or "",
+                                              stats=_proto_stats(chunk["stats"]))
+        except Exception as exc:  # noqa: BLE001
+            yield self._grpc_error(grpc_context, as_serve_error(_unwrap(exc)))
+
+    async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):  # noqa: N802
+        stats = await self.worker.stats.remote()
+        return dlite_pb2.ServerStats(json=json.dumps({"worker": stats, "ingress": self.metrics.snapshot()}))
+
+    async def CreateConversation(self, request, grpc_context=None):  # noqa: N802
+        return self._unimplemented(grpc_context, dlite_pb2.Conversation())
+
+    async def GetConversation(self, request, grpc_context=None):  # noqa: N802
+        return self._unimplemented(grpc_context, dlite_pb2.Conversation())
+
+    async def DeleteConversation(self, request, grpc_context=None):  # noqa: N802
+        return self._unimplemented(grpc_context, dlite_pb2.DeleteConversationResponse())
+
+    async def AppendAndGenerate(self, request, grpc_context=None):  # noqa: N802
+        yield self._unimplemented(grpc_context, dlite_pb2.GenerateChunk())
+
+    def _parse_grpc(self, request: dlite_pb2.GenerateRequest) -> ParsedRequest:
+        # proto3 scalars have no "unset": 0 max_tokens means the server default
+        body: dict[str, Any] = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
+                                "top_p": request.top_p or 1.0, "top_k": request.top_k}
+        if request.seed:
+            body["seed"] = request.seed
+        if request.messages:
+            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
+            return parse_chat(body, self.args.limits)
+        body["prompt"] = request.prompt
+        return parse_completion(body, self.args.limits)
+
+    def _grpc_error(self, context, err: ServeError):
+        self.metrics.error(err)
+        if context is not None:
+            context.set_code(err.grpc_code)
+            context.set_details(str(err))
+        return dlite_pb2.GenerateChunk(finish_reason="error")
+
+    def _unimplemented(self, context, empty):
+        err = NotImplementedYet("conversation RPCs arrive with the ConversationRouter")
+        if context is not None:
+            context.set_code(err.grpc_code)
+            context.set_details(str(err))
+        return empty
+
+
+def _unwrap(exc: Exception) -> Exception:
+    """Ray wraps replica exceptions; find the typed cause for the status mapping."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
+
+
+def _public_stats(stats: dict | None) -> dict:
+    keys = ("mean_accept_length", "accept_lengths", "prefill_time", "decode_wall_time", "draft_time", "verify_time",
+            "decode_tokens_per_second", "ttft", "cached_prompt_tokens")
+    return {k: stats.get(k) for k in keys} if stats else {}
+
+
+def _proto_stats(stats: dict | None) -> dlite_pb2.Stats | None:
+    if not stats:
+        return None
+    return dlite_pb2.Stats(
+        accept_lengths=stats["accept_lengths"], mean_accept_length=stats["mean_accept_length"],
+        prefill_time=stats["prefill_time"], decode_wall_time=stats["decode_wall_time"],
+        draft_time=stats["draft_time"], verify_time=stats["verify_time"],
+        decode_tokens_per_second=stats["decode_tokens_per_second"], ttft=stats.get("ttft") or 0.0,
+        cached_prompt_tokens=stats.get("cached_prompt_tokens", 0), num_prompt_tokens=stats["num_prompt_tokens"])
+
+
+DLiteIngressDeployment = serve.deployment(serve.ingress(app)(DLiteIngress), name="DLiteIngress")

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the serving path (a private registry per ingress replica)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dlite_ray.serve.errors import ServeError
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dlite_requests", "finished requests", registry=r)
+        self.errors = Counter("dlite_errors", "failed requests by kind", ["kind"], registry=r)
+        self.tokens = Counter("dlite_generated_tokens", "generated tokens", registry=r)
+        self.accept = Histogram("dlite_accept_length", "tokens committed per round (A + 1)",
+                                buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16), registry=r)
+        self.position = Counter("dlite_position_accepts", "accepted drafts by block position", ["position"], registry=r)
+        self.draft_time = Counter("dlite_draft_seconds", "time in draft calls", registry=r)
+        self.verify_time = Counter("dlite_verify_seconds", "time in target forwards", registry=r)
+        self.latency = Histogram("dlite_request_latency_seconds", "request latency", registry=r)
+        self.kv_used = Gauge("dlite_kv_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("dlite_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.running = Gauge("dlite_running_requests", "requests in the running batch", registry=r)
+        self.comm_time = Gauge("dlite_draft_comm_seconds", "target<->draft communication time", registry=r)
+
+    def finished(self, stats: dict, latency: float) -> None:
+        self.requests.inc()
+        self.latency.observe(latency)
+        self.tokens.inc(stats.get("num_output_tokens", 0))
+        for a in stats.get("accept_lengths", []):
+            self.accept.observe(a)
+        for k, n in enumerate(stats.get("position_accepts", [])):
+            self.position.labels(str(k + 1)).inc(n)
+        self.draft_time.inc(stats.get("draft_time", 0.0))
+        self.verify_time.inc(stats.get("verify_time", 0.0))
+
+    def error(self, err: ServeError) -> None:
+        self.errors.labels(type(err).__name__).inc()
+
+    def set_worker_stats(self, stats: dict) -> None:
+        self.kv_used.set(stats.get("kv_blocks_used", 0))
+        self.kv_total.set(stats.get("kv_blocks_total", 0))
+        self.running.set(stats.get("running", 0))
+        self.comm_time.set(stats.get("draft_comm_time_s", 0.0))
+
+    def snapshot(self) -> dict:
+        return {"requests": self.requests._value.get(), "tokens": self.tokens._value.get()}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for dlite.v1 (scripts/gen_protos.sh)."""

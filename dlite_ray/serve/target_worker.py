@@ -1,0 +1,93 @@
+"""TargetWorker: one replica = the engine (target, paged KV, scheduler) on its device,
+plus its DraftWorker on the second bundle of the replica's placement group."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import AsyncIterator
+
+from ray import serve
+
+from dlite_ray.engine.async_engine import AsyncEngine
+from dlite_ray.engine.draft_transport import DraftInfo
+from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir
+from dlite_ray.engine.sequence import SamplingParams
+from dlite_ray.runtime.draft_config import DraftConfig
+from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
+from dlite_ray.serve.config import AppArgs, EngineArgs
+from dlite_ray.serve.draft_link import DraftLink
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(args: EngineArgs) -> DLiteEngine:
+    """The replica's engine: the draft in-process, or behind a DraftLink to its own actor."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    target_path = Path(args.target) if args.target else default_model_dir()
+    draft_path = {"none": None, "default": default_draft_dir() if not args.target else None}.get(args.draft, args.draft)
+    kwargs = dict(num_draft_tokens=args.num_draft_tokens, adaptive_draft_length=args.adaptive_draft_length,
+                  max_kv_tokens=args.max_kv_tokens, attention_backend=args.attention_backend)
+    if draft_path is None or not args.disaggregated_draft:
+        return DLiteEngine.from_pretrained(target_path, draft_path, device=device, dtype=args.dtype, **kwargs)
+    target = load_target(target_path, DTYPES[args.dtype], device)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    cfg = DraftConfig.from_dict(json.loads((Path(draft_path) / "config.json").read_text()))
+    info = DraftInfo(checkpoint_fingerprint(draft_path), cfg.anchor_group_size, cfg.max_draft_tokens,
+                     tuple(cfg.target_layer_ids))
+    link = DraftLink(info, target.cfg.vocab_size, str(target_path), str(draft_path), target.cfg.num_layers,
+                     args.dtype, args.device, args.draft_timeout_s)
+    return DLiteEngine(target, tokenizer, link, **kwargs)
+
+
+class TargetWorker:
+    """Serve deployment body (decorated in app.py so YAML options apply)."""
+
+    def __init__(self, args: AppArgs):
+        self.args = args
+        self.engine = build_engine(args.engine)
+        self.async_engine = AsyncEngine(self.engine)
+        log.info("target worker ready (draft: %s)", type(self.engine.draft).__name__ if self.engine.draft else "none")
+
+    async def generate(self, prompt, params: dict) -> AsyncIterator[dict]:
+        """Stream {token_ids, text, finished, finish_reason, stats} chunks for one request."""
+        sampling = SamplingParams(**params)
+        decoded = 0
+        tokens: list[int] = []
+        async for chunk in self.async_engine.generate(prompt, sampling):
+            tokens += chunk.token_ids
+            visible = [t for t in tokens if t not in self.engine.eos_ids]
+            text = self.engine.tokenizer.decode(visible, skip_special_tokens=True)
+            yield {"token_ids": chunk.token_ids, "text": text[decoded:], "finished": chunk.finished,
+                   "finish_reason": chunk.finish_reason, "stats": chunk.stats}
+            decoded = len(text)
+
+    async def encode(self, prompt) -> list[int]:
+        return self.engine.encode(prompt)
+
+    async def stats(self) -> dict:
+        out = self.async_engine.stats()
+        draft = self.engine.draft
+        out["draft_connected"] = bool(getattr(draft, "connected", draft is not None))
+        out["draft_restarts"] = getattr(draft, "restarts", 0)
+        out["draft_comm_time_s"] = getattr(draft, "comm_time", 0.0)
+        return out
+
+    async def kill_draft(self) -> bool:
+        """Fault drill: kill this replica's draft actor (the replica keeps serving)."""
+        if hasattr(self.engine.draft, "kill_actor"):
+            self.engine.draft.kill_actor()
+            return True
+        return False
+
+    def check_health(self) -> None:
+        if not self.async_engine._thread.is_alive():
+            raise RuntimeError("engine loop died")
+
+
+TargetWorkerDeployment = serve.deployment(TargetWorker, name="TargetWorker")

@@ -1,0 +1,53 @@
+"""One Ray + Serve instance per test session, with a tiny model that speaks the default
+tokenizer (vocabulary 49152) and a random draft, served by the real application."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+HTTP_PORT, GRPC_PORT = 18000, 19000
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_model(tmp_path_factory, default_model_dir):
+    import torch
+
+    from dlite_ray.runtime.draft_config import DraftConfig
+    from dlite_ray.runtime.draft_model import DLiteDraftModel
+    from dlite_ray.runtime.loading import load_target
+    from tests.conftest import make_tiny_checkpoint, read_config
+
+    root = tmp_path_factory.mktemp("serve")
+    target_dir = make_tiny_checkpoint(root / "target", "llama", vocab=49152)
+    for f in default_model_dir.glob("tokenizer*"):
+        shutil.copy(f, target_dir)
+    for f in default_model_dir.glob("*.jinja"):
+        shutil.copy(f, target_dir)
+    target = load_target(target_dir)
+    cfg = DraftConfig.for_target(read_config(target_dir), 1, 3, 8, mask_token_id=0)
+    torch.manual_seed(0)
+    DLiteDraftModel(cfg, target.embed_tokens).save(root / "draft", dtype=torch.float32)
+    return target_dir, root / "draft"
+
+
+@pytest.fixture(scope="session")
+def serve_app(tiny_serving_model):
+    import ray
+    from ray import serve
+
+    from dlite_ray.serve.app import build_app
+    from dlite_ray.serve.config import AppArgs, EngineArgs
+
+    target_dir, draft_dir = tiny_serving_model
+    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
+                grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [
+                    "dlite_ray.serve.proto.dlite_pb2_grpc.add_DLiteServiceServicer_to_server"]})
+    args = AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=True,
+                                     adaptive_draft_length=False, max_kv_tokens=8192, draft_timeout_s=10))
+    handle = serve.run(build_app(args), name="dlite", route_prefix="/")
+    yield handle, args
+    serve.shutdown()
+    ray.shutdown()

@@ -1,0 +1,134 @@
+"""The Serve application end to end on CPU: target and draft in two processes over gloo,
+OpenAI HTTP (streaming and not), gRPC Generate, typed errors, a killed draft actor."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+import requests
+
+from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
+from tests.serve.conftest import GRPC_PORT, HTTP_PORT
+
+URL = f"http://127.0.0.1:{HTTP_PORT}"
+MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_serving_model):
+    """The in-process library engine's greedy output for the same request."""
+    from dlite_ray.engine.engine import DLiteEngine
+
+    target_dir, draft_dir = tiny_serving_model
+    engine = DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
+    return engine.generate(MESSAGES, max_new_tokens=24)[0]
+
+
+def _worker(serve_app):
+    from ray import serve
+
+    return serve.get_deployment_handle("TargetWorker", app_name="dlite")
+
+
+def _wait_for_draft(serve_app, timeout=60):
+    worker = _worker(serve_app)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if worker.stats.remote().result()["draft_connected"]:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the draft worker never connected")
+
+
+def test_chat_completion_equals_library_engine(serve_app, reference):
+    _wait_for_draft(serve_app)
+    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == reference.text
+    assert body["usage"]["completion_tokens"] == len(reference.token_ids)
+    assert body["dlite_stats"]["draft_time"] > 0  # the round went through the draft process
+
+
+def test_streaming_chat_completion(serve_app, reference):
+    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
+                      stream=True, timeout=120)
+    assert r.status_code == 200
+    text, events = "", 0
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            text += json.loads(line[6:])["choices"][0]["delta"]["content"]
+            events += 1
+    assert text == reference.text and events >= 2
+
+
+def test_grpc_generate_streams_the_same_tokens(serve_app, reference):
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=24)
+        chunks = list(stub.Generate(req, metadata=(("application", "dlite"),), timeout=120))
+    assert [t for c in chunks for t in c.token_ids] == reference.token_ids
+    assert chunks[-1].finish_reason and chunks[-1].stats.mean_accept_length >= 1
+
+
+def test_models_health_and_metrics(serve_app):
+    assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
+    assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]
+    metrics = requests.get(f"{URL}/metrics", timeout=30).text
+    assert "dlite_accept_length_bucket" in metrics and "dlite_kv_blocks_total" in metrics
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"messages": MESSAGES, "temperature": -1}, "temperature"),
+    ({"messages": MESSAGES, "top_p": 1.5}, "top_p"),
+    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+    ({"messages": MESSAGES, "max_tokens": 10**6}, "cap"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+])
+def test_bad_requests_get_openai_errors(serve_app, body, message):
+    r = requests.post(f"{URL}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400
+    assert message in r.json()["error"]["message"]
+
+
+def test_non_utf8_and_oversized_bodies(serve_app):
+    r = requests.post(f"{URL}/v1/chat/completions", data=b"\xff\xfe{", timeout=30)
+    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
+    r = requests.post(f"{URL}/v1/chat/completions", data=b"x" * (5 << 20), timeout=30)
+    assert r.status_code == 413
+
+
+def test_grpc_invalid_argument(serve_app):
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        req = dlite_pb2.GenerateRequest(prompt="hi", temperature=-2, max_tokens=4)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(req, metadata=(("application", "dlite"),), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_killing_the_draft_actor_mid_stream_still_completes(serve_app, reference):
+    _wait_for_draft(serve_app)
+    worker = _worker(serve_app)
+    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
+                      stream=True, timeout=120)
+    lines = r.iter_lines()
+    text = ""
+    for line in lines:
+        if line.startswith(b"data: {"):
+            text += json.loads(line[6:])["choices"][0]["delta"]["content"]
+            assert worker.kill_draft.remote().result()
+            break
+    for line in lines:
+        if line.startswith(b"data: {"):
+            text += json.loads(line[6:])["choices"][0]["delta"]["content"]
+    assert text == reference.text
+    _wait_for_draft(serve_app, timeout=120)  # restarted and reconnected
+    assert worker.stats.remote().result()["draft_restarts"] >= 1
+    again = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, timeout=120)
+    assert again.json()["choices"][0]["message"]["content"] == reference.text
