@@ -1,7 +1,7 @@
 # Two commands do the whole set-up on a fresh machine, idempotently:
 #   make test   venv + dependencies + default model, then the test suite
-#   make serve  the same set-up, then the default model (until Ray Serve lands: a
-#               generation through the CLI)
+#   make serve  the same set-up, then `serve run deployments/dlite.yaml`
+#               (HTTP 127.0.0.1:8000, gRPC :9000)
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,10 +24,10 @@ test: setup
 	$(BIN)/python -m pytest -q -x --durations=15
 
 serve: setup
-	$(BIN)/dlite-ray generate --prompt "Write a Python function that reverses a string." --max-new-tokens 64
+	$(BIN)/serve run deployments/dlite.yaml
 
 bench: setup
-	$(BIN)/dlite-ray bench-runtime
+	$(BIN)/dlite-ray bench --workload dev,tool-use,agentic,long-context --limit 4 --out runs/bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""dlite-ray: one entry point (generate, fetch-model, bench-runtime, bench-spec, train)."""
+"""dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, train)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     rb.add_argument("--repeats", type=int, default=3)
     rb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
-    sb = sub.add_parser("bench-spec", help="DLite vs plain decoding on the dev prompts (draft, oracle or none)")
-    _model_args(sb)
-    sb.add_argument("--oracle", action="store_true", help="an oracle draft proposing the target's own tokens")
-    sb.add_argument("--limit", type=int, default=8)
-    sb.add_argument("--max-new-tokens", type=int, default=96)
-    sb.add_argument("--repeats", type=int, default=2)
-    sb.add_argument("--out", default=None, help="write results.json here")
+    bench = sub.add_parser("bench", help="DLite vs plain decoding vs transformers' methods, side by side")
+    bench.add_argument("--workload", default="dev", help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
+    bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
+                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle")
+    bench.add_argument("--target", default=None)
+    bench.add_argument("--draft", default="default")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--limit", type=int, default=6, help="prompts per workload")
+    bench.add_argument("--max-new-tokens", type=int, default=96)
+    bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--out", default="runs/bench")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
     from dlite_ray.training.cli_args import add_train_args  # noqa: PLC0415 - keeps --help fast enough
@@ -117,8 +121,8 @@ def cmd_bench_runtime(args) -> int:
     return 0
 
 
-def cmd_bench_spec(args) -> int:
-    from dlite_ray.bench.spec_bench import run  # noqa: PLC0415
+def cmd_bench(args) -> int:
+    from dlite_ray.bench.runner import run  # noqa: PLC0415
 
     run(args)
     return 0
@@ -132,7 +136,7 @@ def cmd_train(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
-            "bench-spec": cmd_bench_spec, "train": cmd_train}
+            "bench": cmd_bench, "train": cmd_train}
 
 if __name__ == "__main__":
     sys.exit(main())

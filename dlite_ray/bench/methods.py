@@ -1,0 +1,101 @@
+"""The decoding methods a benchmark compares, behind one interface.
+
+Every method gets the same token ids and reports: generated ids, time to first token,
+decode tokens/s (tokens after the first / time from first to last token, prefill
+excluded as the paper measures) and end-to-end tokens/s, plus DLite's round statistics.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dlite_ray.engine.engine import DLiteEngine
+
+
+@dataclass(slots=True)
+class Run:
+    token_ids: list[int]
+    ttft_s: float
+    decode_tps: float
+    e2e_tps: float
+    accept_lengths: list[int] = field(default_factory=list)
+    position_accepts: list[int] = field(default_factory=list)
+    position_trials: list[int] = field(default_factory=list)
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    decode_time: float = 0.0
+
+
+class EngineMethod:
+    """Ours: DLite (trained or oracle draft) or plain decoding, on our runtime."""
+
+    lossless = True
+
+    def __init__(self, name: str, engine: DLiteEngine):
+        self.name, self.engine = name, engine
+
+    def run(self, ids: list[int], max_new_tokens: int) -> Run:
+        start = time.perf_counter()
+        r = self.engine.generate(ids, max_new_tokens=max_new_tokens)[0]
+        total = time.perf_counter() - start
+        s = r.stats
+        return Run(r.token_ids, s["ttft"] or total, s["decode_tokens_per_second"], len(r.token_ids) / total,
+                   s["accept_lengths"], s["position_accepts"], s["position_trials"], s["draft_time"],
+                   s["verify_time"], s["decode_wall_time"])
+
+
+class _TimingStreamer:
+    """transformers streamer that timestamps each emission (the first put is the prompt)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.counts: list[int] = []
+
+    def put(self, value):
+        self.times.append(time.perf_counter())
+        self.counts.append(int(value.numel()))
+
+    def end(self):
+        pass
+
+
+class HFMethod:
+    """transformers `generate`: plain, prompt lookup, or assisted by a small draft with its own KV."""
+
+    lossless = True
+
+    def __init__(self, name: str, model, **generate_kwargs):
+        self.name, self.model, self.kwargs = name, model, generate_kwargs
+
+    @torch.inference_mode()
+    def run(self, ids: list[int], max_new_tokens: int) -> Run:
+        streamer = _TimingStreamer()
+        start = time.perf_counter()
+        out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                  streamer=streamer, **self.kwargs)
+        end = time.perf_counter()
+        new = out[0, len(ids):].tolist()
+        t = streamer.times[1:]  # generated-token emissions
+        counts = streamer.counts[1:]
+        first = t[0] if t else end
+        after_first = sum(counts[1:])
+        decode = (t[-1] - first) if len(t) > 1 else 0.0
+        return Run(new, first - start, after_first / decode if decode > 0 else 0.0, len(new) / (end - start),
+                   decode_time=decode)
+
+
+def truncated_draft(model, num_layers: int):
+    """LayerSkip-style draft for assisted generation: the target's first layers + its head."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:num_layers]
+    draft.config.num_hidden_layers = num_layers
+    return draft
+
+
+def draft_kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: int, bytes_per: int = 4) -> int:
+    """A draft that keeps its own history KV: grows with the context. DLite's draft keeps none."""
+    return 2 * num_layers * num_kv_heads * head_dim * context * bytes_per

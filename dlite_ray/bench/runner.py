@@ -1,0 +1,187 @@
+"""`dlite-ray bench`: every method on the same prompts, interleaved, in one run.
+
+Methods run prompt by prompt in turn (the machine is shared and noisy), after a warm-up,
+`--repeats` times; per-prompt figures are medians. Greedy outputs of every lossless
+method are compared with plain decoding on our runtime and any mismatch is reported.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dlite_ray.bench.machine import machine_info
+from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes, truncated_draft
+from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.bench.report import write_report
+from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
+from dlite_ray.engine.engine import DTYPES, DLiteEngine
+
+log = logging.getLogger(__name__)
+ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle")
+ASSISTANT_LAYERS = 6
+
+
+def run(args) -> dict:
+    methods_wanted = [m.strip() for m in args.methods.split(",")]
+    unknown = set(methods_wanted) - set(ALL_METHODS)
+    if unknown:
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(ALL_METHODS)}")
+    dlite = DLiteEngine.from_pretrained(args.target, args.draft, dtype=args.dtype)
+    ar = DLiteEngine(dlite.target, dlite.tokenizer, None)
+    workloads = [w.strip() for w in args.workload.split(",")]
+    prompts = {w: expand(load_workload(w, args.limit), ar, args.max_new_tokens) for w in workloads}
+    methods = build_methods(methods_wanted, dlite, ar, prompts, args)
+    results = {"machine": machine_info(), "args": vars(args), "workloads": {}}
+    for w, items in prompts.items():
+        results["workloads"][w] = measure(methods, items, args)
+    results["methods"] = _overall(results["workloads"])
+    results["ratios"] = _ratios(results["methods"])
+    results["draft_memory"] = _draft_memory(dlite)
+    out = Path(args.out)
+    write_report(results, out)
+    _print_table(results)
+    return results
+
+
+def expand(items: list[Item], ar: DLiteEngine, max_new_tokens: int) -> list[tuple[str, str, list[int]]]:
+    """(id, tag, token ids) per measured request. Agentic items become one request per
+    turn, the history grown with the *reference* replies so every method sees the same."""
+    out = []
+    for item in items:
+        ids = ar.encode(item.payload)
+        out.append((item.id, item.tag or "turn-1", ids))
+        messages = list(item.messages or [])
+        for turn, text in enumerate(item.later_turns, start=2):
+            reply = ar.generate(ar.encode(messages), max_new_tokens=max_new_tokens)[0]
+            messages += [{"role": "assistant", "content": reply.text},
+                         {"role": "user", "content": f"Tool result: {TOOL_RESULT}\n\n{text}"}]
+            ids = ar.encode(messages)
+            if len(ids) + max_new_tokens >= ar.runner.max_context:
+                break
+            out.append((f"{item.id}#{turn}", f"turn-{turn}", ids))
+    return out
+
+
+def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts, args) -> dict:
+    methods: dict = {}
+    hf = None
+    if any(n.startswith("hf") for n in names):
+        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+        from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+
+        hf = AutoModelForCausalLM.from_pretrained(args.target or default_model_dir(), dtype=DTYPES[args.dtype]).eval()
+    for name in names:
+        if name == "dlite":
+            methods[name] = EngineMethod(name, dlite)
+        elif name == "ar":
+            methods[name] = EngineMethod(name, ar)
+        elif name == "oracle":
+            refs = [ids + ar.generate(ids, max_new_tokens=args.max_new_tokens)[0].token_ids
+                    for items in prompts.values() for _, _, ids in items]
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, OracleDraftTransport(refs)))
+        elif name == "hf":
+            methods[name] = HFMethod(name, hf)
+        elif name == "hf-prompt-lookup":
+            methods[name] = HFMethod(name, hf, prompt_lookup_num_tokens=10)
+        elif name == "hf-assisted":
+            methods[name] = HFMethod(name, hf, assistant_model=truncated_draft(hf, ASSISTANT_LAYERS))
+    return methods
+
+
+def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dict:
+    first_ids = items[0][2]
+    for m in methods.values():  # warm-up
+        m.run(first_ids, 8)
+    rows = {name: [] for name in methods}
+    for pid, tag, ids in tqdm(items, desc="prompts", unit="prompt"):
+        runs: dict[str, list[Run]] = {name: [] for name in methods}
+        for _ in range(args.repeats):
+            for name, m in methods.items():
+                runs[name].append(m.run(ids, args.max_new_tokens))
+        reference = runs["ar"][0].token_ids if "ar" in runs else None
+        for name, rs in runs.items():
+            r0 = rs[0]
+            rows[name].append({
+                "id": pid, "tag": tag, "prompt_tokens": len(ids), "new_tokens": len(r0.token_ids),
+                "decode_tps": statistics.median(r.decode_tps for r in rs),
+                "e2e_tps": statistics.median(r.e2e_tps for r in rs),
+                "ttft_s": statistics.median(r.ttft_s for r in rs),
+                "accept_lengths": r0.accept_lengths, "position_accepts": r0.position_accepts,
+                "position_trials": r0.position_trials,
+                "draft_time": statistics.median(r.draft_time for r in rs),
+                "verify_time": statistics.median(r.verify_time for r in rs),
+                "decode_time": statistics.median(r.decode_time for r in rs),
+                "matches_ar": None if reference is None else r0.token_ids == reference,
+                "first_mismatch": None if reference is None else _first_mismatch(r0.token_ids, reference),
+            })
+    return {name: summarize(rs) for name, rs in rows.items()}
+
+
+def summarize(rows: list[dict]) -> dict:
+    lengths = [a for r in rows for a in r["accept_lengths"]]
+    k = max((len(r["position_trials"]) for r in rows), default=0)
+    accepts = [sum(r["position_accepts"][j] for r in rows if len(r["position_accepts"]) > j) for j in range(k)]
+    trials = [sum(r["position_trials"][j] for r in rows if len(r["position_trials"]) > j) for j in range(k)]
+    return {
+        "tokens_per_second": statistics.median(r["decode_tps"] for r in rows),
+        "e2e_tokens_per_second": statistics.median(r["e2e_tps"] for r in rows),
+        "ttft_s": statistics.median(r["ttft_s"] for r in rows),
+        "mean_accept_length": sum(lengths) / len(lengths) if lengths else None,
+        "per_position_acceptance": [a / t if t else None for a, t in zip(accepts, trials)],
+        "greedy_mismatches": sum(1 for r in rows if r["matches_ar"] is False),
+        "per_prompt": rows,
+    }
+
+
+def _overall(workloads: dict) -> dict:
+    names = next(iter(workloads.values())).keys()
+    out = {}
+    for name in names:
+        rows = [r for w in workloads.values() for r in w[name]["per_prompt"]]
+        out[name] = {k: v for k, v in summarize(rows).items() if k != "per_prompt"}
+    return out
+
+
+def _ratios(methods: dict) -> dict:
+    if "dlite" not in methods:
+        return {}
+    mine = methods["dlite"]["tokens_per_second"]
+    return {f"dlite/{n}": mine / m["tokens_per_second"] for n, m in methods.items()
+            if n != "dlite" and m["tokens_per_second"]}
+
+
+def _draft_memory(engine: DLiteEngine) -> dict:
+    cfg = engine.target.cfg
+    contexts = [1024, 2048, 4096, 8192]
+    return {"contexts": contexts, "dlite_bytes": [0 for _ in contexts],
+            "kv_draft_bytes": [draft_kv_bytes(ASSISTANT_LAYERS, cfg.num_kv_heads, cfg.head_dim, c) for c in contexts],
+            "note": f"draft-side state per request; the KV draft is the {ASSISTANT_LAYERS}-layer assistant"}
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _print_table(results: dict) -> None:
+    print(f"machine: {results['machine']['cpu']} ({results['machine']['torch_threads']} threads)")
+    names = list(results["methods"])
+    print(f"{'workload':<14}" + "".join(f"{n:>18}" for n in names) + "   (decode tokens/s, median; tau)")
+    for w, per in results["workloads"].items():
+        cells = []
+        for n in names:
+            tau = per[n]["mean_accept_length"]
+            cells.append(f"{per[n]['tokens_per_second']:>10.1f}" + (f" ({tau:4.2f})" if tau else " " * 7))
+        print(f"{w:<14}" + "".join(f"{c:>18}" for c in cells))
+    print("ratios: " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()))
+    mism = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
+    print(f"greedy outputs differing from plain decoding: {mism or 'none'}")

@@ -1,0 +1,103 @@
+"""Benchmark workloads, all from offline sources and held out from draft training.
+
+- dev:          the training pipeline's held-out dev split (mixed kinds)
+- chat:         general instructions the draft never saw
+- tool-use:     single-turn tool calls with schemas (BFCL_v4_multiple: not a training file)
+- agentic:      multi-turn tool loops replayed turn by turn (BFCL_v4_multi_turn_long_context,
+                not a training file): each turn appends a tool result and the next request
+- long-context: prompts of ~2K / 4K / 7K tokens over Python standard-library source
+- any JSONL file: {"id", "messages"} or {"id", "prompt"} per line
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dlite_ray.training.prompts import CLASS_DOCS, _bfcl_single_turn, _read_jsonl, _tool_system, bfcl_data_dir, \
+    build_prompt_set
+
+WORKLOADS = ("dev", "chat", "tool-use", "agentic", "long-context")
+HELD_OUT_CHAT = [
+    "Explain the difference between a stack and a queue.",
+    "Write a Python function that counts the vowels in a string.",
+    "What is the purpose of a context manager in Python?",
+    "Describe how garbage collection works in Python.",
+    "Write a short story about a robot learning to paint, in three sentences.",
+    "What are the advantages of using a database index?",
+    "Explain what a closure is with an example.",
+    "Give me five tips for a productive morning.",
+]
+TOOL_RESULT = '{"status": "ok", "result": "done"}'
+
+
+@dataclass(slots=True)
+class Item:
+    id: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    later_turns: list[str] = field(default_factory=list)  # agentic: replayed after each reply
+    tag: str = ""  # e.g. the context-length bucket
+
+    @property
+    def payload(self):
+        return self.messages if self.messages is not None else self.prompt
+
+
+def load_workload(name: str, limit: int, seed: int = 0) -> list[Item]:
+    rng = random.Random(seed)
+    if name == "dev":
+        return [Item(s.id, s.messages, tag=s.kind) for s in build_prompt_set().dev[:limit]]
+    if name == "chat":
+        return [Item(f"chat-{i}", [{"role": "user", "content": t}]) for i, t in enumerate(HELD_OUT_CHAT[:limit])]
+    if name == "tool-use":
+        rows = _bfcl_single_turn(bfcl_data_dir() / "BFCL_v4_multiple.json")
+        return [Item(s.id, s.messages, tag="tool") for s in rng.sample(rows, limit)]
+    if name == "agentic":
+        return _agentic(limit, rng)
+    if name == "long-context":
+        return _long_context(limit)
+    path = Path(name)
+    if path.suffix == ".jsonl" and path.exists():
+        return [_from_json(json.loads(line)) for line in path.read_text().splitlines() if line.strip()][:limit]
+    raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)} or a .jsonl file")
+
+
+def _from_json(row: dict) -> Item:
+    if "messages" in row:
+        return Item(str(row["id"]), messages=row["messages"])
+    if "prompt" in row:
+        return Item(str(row["id"]), prompt=row["prompt"])
+    raise ValueError(f"workload line {row.get('id')!r} has neither 'messages' nor 'prompt'")
+
+
+def _agentic(limit: int, rng: random.Random) -> list[Item]:
+    data = bfcl_data_dir()
+    docs = {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
+    rows = _read_jsonl(data / "BFCL_v4_multi_turn_long_context.json")
+    items = []
+    for row in rng.sample(rows, min(len(rows), limit * 3)):
+        functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
+        turns = [t[0]["content"] for t in row["question"] if t]
+        if functions and len(turns) >= 3:
+            items.append(Item(row["id"], [_tool_system(functions), {"role": "user", "content": turns[0]}],
+                              later_turns=turns[1:3], tag="agentic"))
+        if len(items) == limit:
+            break
+    return items
+
+
+def _long_context(limit: int) -> list[Item]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    source = "".join((root / f).read_text() for f in ("textwrap.py", "shlex.py", "fractions.py", "argparse.py"))
+    items = []
+    for tokens in (2000, 4000, 7000)[: max(1, limit)]:
+        chars = tokens * 3  # ~3 characters per token for Python source with this tokenizer
+        text = source[:chars]
+        items.append(Item(f"long-{tokens}", [{"role": "user", "content":
+                                               f"Here is some Python code:\n```python\n{text}\n```\n"
+                                               "Summarise what the last function above does."}], tag=f"{tokens // 1000}K"))
+    return items
