@@ -26,7 +26,7 @@ class SequenceSpan:
     q_start: int
     q_len: int
     ctx_len: int
-    kv_slots: slice | torch.Tensor  # a slice when the blocks are consecutive (zero-copy)
+    kv_runs: list[slice]  # the context as runs of consecutive slots: views, never a gather
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when a plain decode row
 
 
@@ -56,21 +56,23 @@ def build_attention_metadata(
             raise ValueError(f"block table of {len(table)} blocks cannot hold {ctx_len} tokens")
         first = ctx_len - q_len
         slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(first, ctx_len)]
-        spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_slots(table, ctx_len, block_size, device),
+        spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_runs(table, ctx_len, block_size),
                                   _causal_mask(q_len, ctx_len, device)))
         q_start += q_len
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), spans, block_tables, block_size)
 
 
-def _context_slots(table: list[int], ctx_len: int, block_size: int, device: torch.device) -> slice | torch.Tensor:
-    num_blocks = -(-ctx_len // block_size)
-    used = table[:num_blocks]
-    if used == list(range(used[0], used[0] + num_blocks)):
-        start = used[0] * block_size
-        return slice(start, start + ctx_len)
-    blocks = torch.tensor(used, dtype=torch.long, device=device)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()
-    return slots[:ctx_len]
+def _context_runs(table: list[int], ctx_len: int, block_size: int) -> list[slice]:
+    """Slot ranges of the first ctx_len positions, consecutive blocks merged into one run."""
+    runs: list[slice] = []
+    for i, block in enumerate(table[: -(-ctx_len // block_size)]):
+        start = block * block_size
+        stop = start + min(block_size, ctx_len - i * block_size)
+        if runs and runs[-1].stop == start:
+            runs[-1] = slice(runs[-1].start, stop)
+        else:
+            runs.append(slice(start, stop))
+    return runs
 
 
 def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
@@ -85,6 +87,9 @@ class SdpaBackend:
 
     GQA is folded into the query rows ([Hkv, group * q_len, Dh] against [Hkv, ctx, Dh]):
     on CPU this is ~10x faster than SDPA's own `enable_gqa` path, which copies K/V per head.
+    A context on consecutive blocks is one strided view; a fragmented one (prefix-cache
+    hits, preemption) is attended run by run over views with one softmax, instead of
+    gathering K/V into a copy every layer.
     """
 
     name = "sdpa"
@@ -103,10 +108,30 @@ class SdpaBackend:
             qs = q[span.q_start:span.q_start + n].view(n, hkv, group, dh).permute(1, 2, 0, 3)
             qs = qs.reshape(hkv, group * n, dh)  # rows: (group, position)
             mask = None if span.mask is None else span.mask.repeat(group, 1)
-            out = F.scaled_dot_product_attention(qs[None], k_all[:, span.kv_slots][None],
-                                                 v_all[:, span.kv_slots][None], attn_mask=mask)
-            outs.append(out[0].view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, hkv * group, dh))
+            if len(span.kv_runs) == 1:
+                run = span.kv_runs[0]
+                out = F.scaled_dot_product_attention(qs[None], k_all[None, :, run], v_all[None, :, run],
+                                                     attn_mask=mask)[0]
+            else:
+                out = _attend_runs(qs, k_all, v_all, span.kv_runs, mask)
+            outs.append(out.view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, hkv * group, dh))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _attend_runs(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, runs: list[slice],
+                 mask: torch.Tensor | None) -> torch.Tensor:
+    """Exact attention of q [H, R, Dh] over K/V given as slot runs; one softmax over all."""
+    scores = torch.cat([q @ k_all[:, r].transpose(1, 2) for r in runs], dim=-1) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).to(v_all.dtype)
+    out, offset = None, 0
+    for r in runs:
+        length = r.stop - r.start
+        part = probs[..., offset:offset + length] @ v_all[:, r]
+        out = part if out is None else out + part
+        offset += length
+    return out
 
 
 class FlashAttnBackend:
