@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--limit", type=int, default=6, help="prompts per workload")
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--concurrency", default=None,
+                       help="also measure N requests in flight, e.g. 1,4,16 (dlite vs ar, continuous batching)")
     bench.add_argument("--out", default="runs/bench")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")

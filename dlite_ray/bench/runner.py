@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import asdict
+import time
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from dlite_ray.bench.machine import machine_info
@@ -23,7 +22,7 @@ from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
 from dlite_ray.engine.engine import DTYPES, DLiteEngine
 
 log = logging.getLogger(__name__)
-ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle")
+ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache")
 ASSISTANT_LAYERS = 6
 
 
@@ -43,6 +42,10 @@ def run(args) -> dict:
     results["methods"] = _overall(results["workloads"])
     results["ratios"] = _ratios(results["methods"])
     results["draft_memory"] = _draft_memory(dlite)
+    if args.concurrency:
+        levels = [int(c) for c in str(args.concurrency).split(",")]
+        items = [ids for w in prompts.values() for _, _, ids in w]
+        results["concurrency"] = measure_concurrency({"dlite": dlite, "ar": ar}, items, levels, args.max_new_tokens)
     out = Path(args.out)
     write_report(results, out)
     _print_table(results)
@@ -80,6 +83,9 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
+        elif name == "dlite-nocache":  # the same draft, no prefix cache / stored boundaries
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
+                                                           enable_prefix_cache=False))
         elif name == "ar":
             methods[name] = EngineMethod(name, ar)
         elif name == "oracle":
@@ -138,6 +144,32 @@ def summarize(rows: list[dict]) -> dict:
         "greedy_mismatches": sum(1 for r in rows if r["matches_ar"] is False),
         "per_prompt": rows,
     }
+
+
+def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]], levels: list[int],
+                        max_new_tokens: int) -> dict:
+    """N requests in flight through the continuous-batching engine: throughput (generated
+    tokens / wall time) and mean request latency, each engine on the same requests."""
+    out: dict = {}
+    for n in levels:
+        batch = [items[i % len(items)] for i in range(n)]
+        out[str(n)] = {}
+        for name, engine in engines.items():
+            engine.generate(batch[:1], max_new_tokens=4)  # warm-up
+            engine.runner.blocks.enable_prefix_cache = False  # every level pays its own prefill
+            start = time.perf_counter()
+            results = engine.generate(batch, max_new_tokens=max_new_tokens)
+            wall = time.perf_counter() - start
+            engine.runner.blocks.enable_prefix_cache = True
+            tokens = sum(len(r.token_ids) for r in results)
+            latency = statistics.mean(r.stats["ttft"] + r.stats["decode_wall_time"] for r in results)
+            out[str(n)][name] = {"tokens_per_second": tokens / wall, "mean_latency_s": latency,
+                                 "mean_accept_length": statistics.mean(r.stats["mean_accept_length"] for r in results)}
+        ratio = out[str(n)]["dlite"]["tokens_per_second"] / out[str(n)]["ar"]["tokens_per_second"]
+        out[str(n)]["dlite/ar"] = ratio
+        print(f"concurrency {n:>3}: dlite {out[str(n)]['dlite']['tokens_per_second']:.1f} tok/s, "
+              f"ar {out[str(n)]['ar']['tokens_per_second']:.1f} tok/s, ratio {ratio:.2f}x")
+    return out
 
 
 def _overall(workloads: dict) -> dict:

@@ -1,0 +1,78 @@
+"""Benchmark plumbing: workloads, the equality check, the result schema, the report."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from dlite_ray.bench.methods import Run, draft_kv_bytes
+from dlite_ray.bench.report import write_report
+from dlite_ray.bench.runner import _overall, _ratios, measure
+from dlite_ray.bench.workloads import load_workload
+
+
+def test_jsonl_workload_and_errors(tmp_path):
+    path = tmp_path / "w.jsonl"
+    path.write_text('{"id": "a", "prompt": "hi"}\n{"id": "b", "messages": [{"role": "user", "content": "x"}]}\n')
+    items = load_workload(str(path), limit=10)
+    assert [i.id for i in items] == ["a", "b"] and items[0].payload == "hi"
+    with pytest.raises(ValueError, match="unknown workload"):
+        load_workload("nope", limit=1)
+    (tmp_path / "bad.jsonl").write_text('{"id": "c"}\n')
+    with pytest.raises(ValueError, match="neither"):
+        load_workload(str(tmp_path / "bad.jsonl"), limit=1)
+
+
+def test_builtin_chat_and_long_context_workloads():
+    chat = load_workload("chat", limit=3)
+    assert len(chat) == 3 and chat[0].messages[0]["role"] == "user"
+    long = load_workload("long-context", limit=3)
+    assert [i.tag for i in long] == ["2K", "4K", "7K"]
+    assert len(long[2].messages[0]["content"]) > len(long[0].messages[0]["content"])
+
+
+class _Fixed:
+    """A method that returns fixed tokens (to plant a mismatch)."""
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def run(self, ids, max_new_tokens):
+        return Run(list(self.tokens), 0.01, 10.0, 9.0, [2, 1], [1], [2], 0.001, 0.01, 0.1)
+
+
+def _results():
+    methods = {"ar": _Fixed([1, 2, 3]), "dlite": _Fixed([1, 2, 3]), "broken": _Fixed([1, 9, 3])}
+    per = measure(methods, [("p0", "t", [5, 6]), ("p1", "t", [7])], SimpleNamespace(repeats=1, max_new_tokens=3))
+    workloads = {"w": per}
+    results = {"machine": {"cpu": "x", "cores": 2, "torch_threads": 2, "torch": "t"}, "args": {"a": 1},
+               "workloads": workloads, "methods": _overall(workloads)}
+    results["ratios"] = _ratios(results["methods"])
+    results["draft_memory"] = {"contexts": [1, 2], "dlite_bytes": [0, 0], "kv_draft_bytes": [1, 2]}
+    return results
+
+
+def test_the_equality_check_catches_a_planted_mismatch():
+    results = _results()
+    assert results["methods"]["dlite"]["greedy_mismatches"] == 0
+    assert results["methods"]["broken"]["greedy_mismatches"] == 2
+    assert results["workloads"]["w"]["broken"]["per_prompt"][0]["first_mismatch"] == 1
+
+
+def test_result_schema_and_report(tmp_path):
+    results = _results()
+    write_report(results, tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert set(data) >= {"machine", "methods", "ratios", "workloads"}
+    for m in data["methods"].values():
+        assert {"tokens_per_second", "mean_accept_length", "ttft_s", "e2e_tokens_per_second"} <= set(m)
+    assert data["ratios"]["dlite/ar"] == pytest.approx(1.0)
+    report = (tmp_path / "report.md").read_text()
+    assert "| w |" in report and "speed_by_workload.png" in report
+    assert (tmp_path / "speed_by_workload.png").stat().st_size > 1000
+
+
+def test_kv_draft_memory_grows_with_context():
+    assert draft_kv_bytes(6, 3, 64, 2048) == 2 * draft_kv_bytes(6, 3, 64, 1024)
