@@ -19,4 +19,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=96, help="length of the target's regenerated replies")
     p.add_argument("--per-source", type=int, default=40, help="prompts taken from each BFCL file")
     p.add_argument("--multi-turn", type=int, default=12, help="multi-turn BFCL conversations (long histories)")
+    p.add_argument("--code-tasks", type=int, default=None, help="stdlib code tasks (default 2 x --per-source)")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--extend-from", default=None,
+                   help="reuse an earlier --out's data (its dev split stays the dev split) and add new prompts")
     p.add_argument("--seed", type=int, default=0)

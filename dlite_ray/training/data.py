@@ -38,15 +38,17 @@ class Record:
 
 
 def generate_conversations(engine: DLiteEngine, samples: list[PromptSample], max_new_tokens: int,
-                           batch_size: int = 8) -> list[tuple[list[int], int]]:
+                           batch_size: int = 32) -> list[tuple[list[int], int]]:
     """(token ids of prompt + target reply, prompt length) for every turn of every sample."""
     out: list[tuple[list[int], int]] = []
     single = [s for s in samples if not s.later_turns]
-    for i in tqdm(range(0, len(single), batch_size), desc="target replies", unit="batch"):
+    # Chunks of many requests through the continuous-batching engine: weights are read once
+    # per step for every request in flight.
+    for i in tqdm(range(0, len(single), batch_size), desc="target replies", unit="chunk"):
         chunk = single[i:i + batch_size]
-        results = engine.generate([s.messages for s in chunk], max_new_tokens=max_new_tokens)
-        for s, r in zip(chunk, results):
-            prompt = engine.encode(s.messages)
+        prompts = [engine.encode(s.messages) for s in chunk]
+        results = engine.generate(prompts, max_new_tokens=max_new_tokens)
+        for prompt, r in zip(prompts, results):
             out.append((prompt + r.token_ids, len(prompt)))
     for s in tqdm([s for s in samples if s.later_turns], desc="multi-turn replies", unit="conv"):
         messages = list(s.messages)

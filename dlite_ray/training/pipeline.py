@@ -18,6 +18,7 @@ from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import dataset_bytes, extract_records, generate_conversations, load_records, save_records
+from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.training.prompts import build_prompt_set
 from dlite_ray.training.trainer import TrainConfig, train
 
@@ -65,18 +66,46 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
     return result["train"], result["dev"]
 
 
+def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[int, ...], args) -> list:
+    """More training data on top of an earlier run's (`--extend-from`): prompts whose
+    tokens match none of the earlier run's sequences (train or dev), train split only;
+    the earlier dev split stays the dev split, so nothing leaks into it."""
+    path = out / "data_extra.pt"
+    if path.exists():
+        return load_records(path)
+    seen = {tuple(r.tokens[:r.start + 1].tolist()) for r in have}
+    bigger = build_prompt_set(args.seed, args.per_source, multi_turn=0, code_tasks=args.code_tasks)
+    new = [s for s in bigger.train + bigger.dev
+           if not s.later_turns and tuple(engine.encode(s.messages)) not in seen]
+    log.info("extra prompts, new to this target's data: %d", len(new))
+    records = extract_records(engine, generate_conversations(engine, new, args.max_new_tokens), tap_layers)
+    save_records(records, path)
+    log.info("extra: %d sequences, %d positions, %.1f MB", len(records), sum(r.argmax.numel() for r in records),
+             dataset_bytes(records) / 1e6)
+    return records
+
+
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    engine = DLiteEngine.from_pretrained(args.target, draft=None)
+    engine = DLiteEngine.from_pretrained(args.target, draft=None, scheduler=SchedulerConfig(
+        max_num_seqs=32, max_batch_tokens=2048))
     draft = new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed)
     tap_layers = tuple(draft.cfg.target_layer_ids)
     log.info("draft: %d layers, S=%d %s, R=%d, %.1fM trainable parameters", args.layers, len(tap_layers),
              list(tap_layers), args.rank, sum(p.numel() for p in draft.checkpoint_state().values()) / 1e6)
-    train_records, dev_records = build_data(engine, out, tap_layers, args)
+    if args.extend_from:
+        base = Path(args.extend_from)
+        train_records, dev_records = load_records(base / "data_train.pt"), load_records(base / "data_dev.pt")
+        train_records = train_records + extend_data(engine, out, train_records + dev_records, tap_layers, args)
+    else:
+        train_records, dev_records = build_data(engine, out, tap_layers, args)
+    log.info("training on %d positions, dev %d", sum(r.argmax.numel() for r in train_records),
+             sum(r.argmax.numel() for r in dev_records))
     k = args.block_size - 1
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                      weight_decay=args.weight_decay)
     summary = train(draft, train_records, all_anchors(train_records, k), dev_records,
                     all_anchors(dev_records, k), k, cfg, out)
     draft.save(out / "draft")

@@ -96,15 +96,16 @@ class PromptSet:
 
 
 def build_prompt_set(seed: int = 0, per_source: int = 40, dev_fraction: float = 0.15,
-                     multi_turn: int = 12) -> PromptSet:
+                     multi_turn: int = 12, code_tasks: int | None = None) -> PromptSet:
     rng = random.Random(seed)
     data = bfcl_data_dir()
     samples = [PromptSample(f"chat-{i}", "chat", [{"role": "user", "content": t}])
                for i, t in enumerate(GENERAL_INSTRUCTIONS)]
     for name in BFCL_FILES:
-        samples += rng.sample(_bfcl_single_turn(data / f"{name}.json"), per_source)
+        rows = _bfcl_single_turn(data / f"{name}.json")
+        samples += rng.sample(rows, min(per_source, len(rows)))
     samples += rng.sample(_bfcl_multi_turn(data), multi_turn)
-    samples += stdlib_code_tasks(rng, per_source * 2)
+    samples += stdlib_code_tasks(rng, per_source * 2 if code_tasks is None else code_tasks)
     rng.shuffle(samples)
     n_dev = max(4, int(len(samples) * dev_fraction))
     return PromptSet(train=samples[n_dev:], dev=samples[:n_dev])
@@ -194,10 +195,13 @@ def _stdlib_functions(rng: random.Random, count: int) -> list[tuple[str, str]]:
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError):
             continue
+        per_file = 0
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= 30:
                 found.append((path.stem, ast.get_source_segment(source, node)))
-                break
+                per_file += 1
+                if per_file == 3:
+                    break
         if len(found) >= count:
             break
     return [(m, s) for m, s in found if s]

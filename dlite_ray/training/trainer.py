@@ -24,6 +24,7 @@ class TrainConfig:
     steps: int = 2000
     batch_size: int = 96
     lr: float = 1e-3
+    weight_decay: float = 0.01
     warmup: int = 50
     gamma: float = 4.0  # position decay exp(-k / gamma)
     tv_weight: float = 1.0
@@ -75,7 +76,7 @@ def train(draft: DLiteDraftModel, records: list[Record], anchors: list[tuple[int
           out_dir: Path, label: str = "student") -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     params = [p for n, p in draft.named_parameters() if p.requires_grad and not n.startswith("embed_tokens.")]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     ckpt = out_dir / f"{label}.ckpt"
     step, history = 0, []
     if ckpt.exists():
