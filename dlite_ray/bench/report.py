@@ -16,7 +16,7 @@ def write_report(results: dict, out: Path) -> None:
 def _markdown(results: dict, plots: list[str]) -> str:
     m = results["machine"]
     names = list(results["methods"])
-    lines = [f"# dlite-ray benchmark", "",
+    lines = ["# dlite-ray benchmark", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.",
              f"Command args: `{ {k: v for k, v in results['args'].items() if k != 'func'} }`", "",
              "Decode tokens/s (median over prompts; tokens after the first / time from first to last token), "

@@ -45,7 +45,10 @@ def run(args) -> dict:
     if args.concurrency:
         levels = [int(c) for c in str(args.concurrency).split(",")]
         items = [ids for w in prompts.values() for _, _, ids in w]
-        results["concurrency"] = measure_concurrency({"dlite": dlite, "ar": ar}, items, levels, args.max_new_tokens)
+        # no prefix cache here: every level pays its own prefill, as fresh requests would
+        engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, enable_prefix_cache=False)
+                   for name, draft in (("dlite", dlite.draft), ("ar", None))}
+        results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens)
     out = Path(args.out)
     write_report(results, out)
     _print_table(results)
@@ -156,11 +159,9 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
         out[str(n)] = {}
         for name, engine in engines.items():
             engine.generate(batch[:1], max_new_tokens=4)  # warm-up
-            engine.runner.blocks.enable_prefix_cache = False  # every level pays its own prefill
             start = time.perf_counter()
             results = engine.generate(batch, max_new_tokens=max_new_tokens)
             wall = time.perf_counter() - start
-            engine.runner.blocks.enable_prefix_cache = True
             tokens = sum(len(r.token_ids) for r in results)
             latency = statistics.mean(r.stats["ttft"] + r.stats["decode_wall_time"] for r in results)
             out[str(n)][name] = {"tokens_per_second": tokens / wall, "mean_latency_s": latency,

@@ -36,7 +36,7 @@ class SpecDecoder:
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
         decodes = schedule.decodes
         ks = self.policy.choose(decodes, [self._max_draft(s) for s in decodes], len(schedule.prefills))
-        drafts, q_probs, draft_time = self._propose(decodes, ks)
+        drafts, q_probs, draft_time, ks = self._propose(decodes, ks)
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
         rows += [RowInput(s, [s.anchor] + drafts[i], num_outputs=k + 1) for i, (s, k) in enumerate(zip(decodes, ks))]
         accepted_l: list[int] = []
@@ -79,10 +79,12 @@ class SpecDecoder:
         return max(0, min(self.draft.info.max_draft_tokens, remaining - 1, room))
 
     def _propose(self, seqs: list[Sequence], ks: list[int]):
+        """Draft for the rows with k > 0 in one call; returns (drafts, q, seconds, the ks
+        actually drafted: all 0 when the draft is unavailable this step)."""
         rows = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not rows:
-            return drafts, None, 0.0
+            return drafts, None, 0.0, ks
         g = self.draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
         device = self.runner.device
@@ -98,13 +100,12 @@ class SpecDecoder:
                 proposal = self.draft.propose(request)
             except DraftUnavailable as exc:
                 log.warning("draft unavailable, decoding plainly this step: %s", exc)
-                ks[:] = [0] * len(ks)
-                return drafts, None, t.elapsed
+                return drafts, None, t.elapsed, [0] * len(ks)
             tokens = proposal.tokens.tolist()
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]
         q_probs = {i: proposal.probs[j, :ks[i]] for j, i in enumerate(rows)} if proposal.probs is not None else None
-        return drafts, q_probs, t.elapsed
+        return drafts, q_probs, t.elapsed, ks
 
     def _verify(self, seqs, ks, drafts, q_probs, outs: list[RowOutput]):
         width = max(ks) + 1

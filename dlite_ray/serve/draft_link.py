@@ -36,6 +36,7 @@ class DraftLink:
         self._backend = "nccl" if device == "cuda" else "gloo"
         self._transport: DistributedDraftTransport | None = None
         self._actor = None
+        self._serving = None  # the actor's serve() call, pending for the actor's life
         self._lock = threading.Lock()
         self._connecting = False
         self.restarts = 0

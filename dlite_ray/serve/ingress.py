@@ -20,7 +20,7 @@ from dlite_ray.serve.errors import (NotImplementedYet, PayloadTooLarge, ServeErr
                                     openai_error_body)
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
-from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion, sampling
+from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")

@@ -175,7 +175,7 @@ def stdlib_code_tasks(rng: random.Random, count: int) -> list[PromptSample]:
             text = f"Explain what this function from the `{module}` module does:\n\n```python\n{src}\n```"
         elif kind == 1:
             lines = src.splitlines()
-            text = f"Complete this Python function:\n\n```python\n" + "\n".join(lines[: max(2, len(lines) // 2)]) + "\n```"
+            text = "Complete this Python function:\n\n```python\n" + "\n".join(lines[: max(2, len(lines) // 2)]) + "\n```"
         elif kind == 2:
             text = f"Write a pytest unit test for this function:\n\n```python\n{src}\n```"
         else:

@@ -95,7 +95,6 @@ def test_unresolvable_group_size_is_an_error(saved_draft):
 
 
 def test_mismatched_width_vocab_and_missing_keys(saved_draft, tiny_dirs):
-    from dlite_ray.runtime.loading import load_target
 
     target, _, path = saved_draft
     with pytest.raises(DraftConfigError, match="draft width 64 != target width 32"):
