@@ -53,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="also measure N requests in flight, e.g. 1,4,16 (dlite vs ar, continuous batching)")
     bench.add_argument("--out", default="runs/bench")
 
+    sv = sub.add_parser("bench-serve", help="tokens/s through the Serve app over gRPC vs the library engine")
+    sv.add_argument("--workload", default="chat")
+    sv.add_argument("--limit", type=int, default=4)
+    sv.add_argument("--max-new-tokens", type=int, default=96)
+    sv.add_argument("--repeats", type=int, default=1)
+
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
     from dlite_ray.training.cli_args import add_train_args  # noqa: PLC0415 - keeps --help fast enough
 
@@ -130,6 +136,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_serve(args) -> int:
+    from dlite_ray.bench.serve_bench import run  # noqa: PLC0415
+
+    run(args)
+    return 0
+
+
 def cmd_train(args) -> int:
     from dlite_ray.training.pipeline import run  # noqa: PLC0415
 
@@ -138,7 +151,7 @@ def cmd_train(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
-            "bench": cmd_bench, "train": cmd_train}
+            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "train": cmd_train}
 
 if __name__ == "__main__":
     sys.exit(main())
