@@ -29,6 +29,10 @@ class ConversationNotFound(ServeError):
     http_status, grpc_code, error_type = 404, grpc.StatusCode.NOT_FOUND, "not_found_error"
 
 
+class ConversationBusy(ServeError):
+    http_status, grpc_code, error_type = 409, grpc.StatusCode.ABORTED, "conflict_error"
+
+
 class Overloaded(ServeError):
     http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
 
