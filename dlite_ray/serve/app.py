@@ -6,6 +6,7 @@ from ray.serve import Application
 
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.ingress import DLiteIngressDeployment
+from dlite_ray.serve.router import ConversationRouterDeployment
 from dlite_ray.serve.target_worker import TargetWorkerDeployment
 
 
@@ -33,4 +34,5 @@ def build_app(args: AppArgs | dict) -> Application:
     else:
         worker_options["num_replicas"] = args.num_replicas
     worker = TargetWorkerDeployment.options(**worker_options).bind(args)
-    return DLiteIngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, args)
+    router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(args)
+    return DLiteIngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, router, args)

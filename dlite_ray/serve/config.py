@@ -31,6 +31,14 @@ class LimitArgs(BaseModel):
     max_messages: int = Field(512, ge=1, description="most chat messages in one request")
 
 
+class ConversationArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    store_path: str = Field("dlite-conversations.sqlite3", description="SQLite file of the durable histories")
+    default_lease_s: float = Field(300.0, gt=0, description="how long a paused conversation's KV is held")
+    max_lease_s: float = Field(3600.0, gt=0, description="the longest lease a request may ask for")
+
+
 class AppArgs(BaseModel):
     """Arguments of `dlite_ray.serve.app:build_app` (the `args:` block of the Serve YAML)."""
 
@@ -38,6 +46,9 @@ class AppArgs(BaseModel):
 
     engine: EngineArgs = Field(default_factory=EngineArgs, description="the engine each TargetWorker runs")
     limits: LimitArgs = Field(default_factory=LimitArgs, description="request limits enforced by the ingress")
+    conversations: ConversationArgs = Field(default_factory=ConversationArgs, description="the conversation registry")
+    api_keys_file: str | None = Field(None, description="file of 'key tenant' lines; none = local single-tenant mode")
+    api_keys_env: str | None = Field("DLITE_API_KEYS", description="env var of 'key:tenant,...' pairs")
     model_name: str = Field("dlite-smollm2-135m", description="the model id served in /v1/models")
     num_replicas: int | None = Field(1, ge=1, description="fixed TargetWorker replicas (ignored with autoscaling)")
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config for TargetWorker pairs")

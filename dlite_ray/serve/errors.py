@@ -37,10 +37,6 @@ class Overloaded(ServeError):
     http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
 
 
-class NotImplementedYet(ServeError):
-    http_status, grpc_code, error_type = 501, grpc.StatusCode.UNIMPLEMENTED, "not_implemented_error"
-
-
 def as_serve_error(exc: Exception) -> ServeError:
     if isinstance(exc, ServeError):
         return exc

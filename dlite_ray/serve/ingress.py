@@ -1,6 +1,7 @@
 """DLiteIngress: OpenAI-compatible HTTP (FastAPI) and the dlite.v1.DLiteService gRPC
-methods, in one deployment in front of the TargetWorker replicas. Validation happens
-here, before anything reaches an engine; typed errors map once to status codes."""
+methods, in one deployment in front of the TargetWorker replicas and the
+ConversationRouter. Credentials and validation happen here, before anything reaches an
+engine; typed errors map once to status codes."""
 
 from __future__ import annotations
 
@@ -16,20 +17,21 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.errors import (NotImplementedYet, PayloadTooLarge, ServeError, as_serve_error,
-                                    openai_error_body)
+from dlite_ray.serve.auth import KeyRing
+from dlite_ray.serve.errors import PayloadTooLarge, ServeError, as_serve_error, openai_error_body
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
-from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion
+from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion, sampling
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
 
 
 class DLiteIngress:
-    def __init__(self, worker: DeploymentHandle, args: AppArgs):
-        self.worker, self.args = worker, args
+    def __init__(self, worker: DeploymentHandle, router: DeploymentHandle, args: AppArgs):
+        self.worker, self.router, self.args = worker, router, args
         self.metrics = Metrics()
+        self.keys = KeyRing.load(args.api_keys_file, args.api_keys_env)
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -55,6 +57,7 @@ class DLiteIngress:
 
     async def _http(self, request: Request, parse, chat: bool):
         try:
+            self.keys.tenant(request.headers.get("authorization"))
             parsed = parse(await self._json(request), self.args.limits)
             await self.worker.encode.remote(parsed.prompt)  # context-length errors before streaming starts
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
@@ -99,6 +102,73 @@ class DLiteIngress:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise as_serve_error(ValueError(f"the body is not UTF-8 JSON: {exc}")) from exc
 
+    async def _http_call(self, coro_fn):
+        """Run a JSON endpoint; typed errors become OpenAI error bodies."""
+        try:
+            return await coro_fn()
+        except Exception as exc:  # noqa: BLE001
+            err = as_serve_error(_unwrap(exc))
+            self.metrics.error(err)
+            return JSONResponse(openai_error_body(err), status_code=err.http_status)
+
+    @app.post("/v1/conversations")
+    async def http_create_conversation(self, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            body = await self._json(request)
+            messages = parse_chat({"messages": body.get("messages")}, self.args.limits).prompt
+            return await self.router.create.remote(tenant, messages)
+        return await self._http_call(go)
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def http_get_conversation(self, conversation_id: str, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            return await self.router.get.remote(tenant, conversation_id)
+        return await self._http_call(go)
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def http_delete_conversation(self, conversation_id: str, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            return {"deleted": await self.router.delete.remote(tenant, conversation_id)}
+        return await self._http_call(go)
+
+    @app.post("/v1/conversations/{conversation_id}/messages")
+    async def http_append_and_generate(self, conversation_id: str, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            body = await self._json(request)
+            new = parse_chat({"messages": body.get("messages") or [{"role": "user", "content": ""}]},
+                             self.args.limits).prompt if body.get("messages") else []
+            params = sampling(body, self.args.limits)
+            text, finish, replica = "", None, None
+            async for chunk in self._conversation_turn(tenant, conversation_id, new, params, body.get("lease_seconds")):
+                text += chunk["text"]
+                finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
+            return {"conversation_id": conversation_id, "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish, "replica": replica}
+        return await self._http_call(go)
+
+    async def _conversation_turn(self, tenant: str, conversation_id: str, new_messages: list[dict], params,
+                                 lease_s: float | None) -> AsyncIterator[dict]:
+        """Claim the conversation, generate from its whole history, store the reply, pause.
+        The history's KV and boundary features stay cached on the replica that made them;
+        a miss re-prefills from the durable history (slower, never wrong)."""
+        conv = await self.router.begin_turn.remote(tenant, conversation_id, new_messages)
+        text, replica, done = "", None, False
+        try:
+            async for chunk in self._generate(ParsedRequest(conv["messages"], params)):
+                text += chunk["text"]
+                replica = chunk.get("replica") or replica
+                done = done or chunk["finished"]
+                yield chunk
+        finally:
+            if done:
+                await self.router.finish_turn.remote(tenant, conversation_id, conv["version"], text, replica, lease_s)
+            else:
+                await self.router.abandon_turn.remote(tenant, conversation_id)
+
     async def _generate(self, parsed: ParsedRequest) -> AsyncIterator[dict]:
         params = {f: getattr(parsed.params, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
         started = time.perf_counter()
@@ -110,6 +180,7 @@ class DLiteIngress:
     # -- gRPC (method names = RPC names) --------------------------------------------------------
     async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):  # noqa: N802
         try:
+            self._grpc_tenant(grpc_context)
             parsed = self._parse_grpc(request)
             await self.worker.encode.remote(parsed.prompt)
         except Exception as exc:  # noqa: BLE001
@@ -128,16 +199,55 @@ class DLiteIngress:
         return dlite_pb2.ServerStats(json=json.dumps({"worker": stats, "ingress": self.metrics.snapshot()}))
 
     async def CreateConversation(self, request, grpc_context=None):  # noqa: N802
-        return self._unimplemented(grpc_context, dlite_pb2.Conversation())
+        try:
+            tenant = self._grpc_tenant(grpc_context)
+            messages = parse_chat({"messages": _grpc_messages(request.messages)}, self.args.limits).prompt
+            return _proto_conversation(await self.router.create.remote(tenant, messages))
+        except Exception as exc:  # noqa: BLE001
+            return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
 
     async def GetConversation(self, request, grpc_context=None):  # noqa: N802
-        return self._unimplemented(grpc_context, dlite_pb2.Conversation())
+        try:
+            tenant = self._grpc_tenant(grpc_context)
+            return _proto_conversation(await self.router.get.remote(tenant, request.conversation_id))
+        except Exception as exc:  # noqa: BLE001
+            return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
 
     async def DeleteConversation(self, request, grpc_context=None):  # noqa: N802
-        return self._unimplemented(grpc_context, dlite_pb2.DeleteConversationResponse())
+        try:
+            tenant = self._grpc_tenant(grpc_context)
+            await self.router.delete.remote(tenant, request.conversation_id)
+            return dlite_pb2.DeleteConversationResponse(deleted=True)
+        except Exception as exc:  # noqa: BLE001
+            return self._grpc_fail(grpc_context, exc, dlite_pb2.DeleteConversationResponse())
 
     async def AppendAndGenerate(self, request, grpc_context=None):  # noqa: N802
-        yield self._unimplemented(grpc_context, dlite_pb2.GenerateChunk())
+        try:
+            tenant = self._grpc_tenant(grpc_context)
+            new = parse_chat({"messages": _grpc_messages(request.messages)}, self.args.limits).prompt \
+                if request.messages else []
+            params = sampling({"max_tokens": request.max_tokens or None, "temperature": request.temperature,
+                               "top_p": request.top_p or 1.0, **({"seed": request.seed} if request.seed else {})},
+                              self.args.limits)
+            async for chunk in self._conversation_turn(tenant, request.conversation_id, new, params,
+                                                       request.lease_seconds or None):
+                yield dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
+                                              finish_reason=chunk["finish_reason"] or "",
+                                              stats=_proto_stats(chunk["stats"]))
+        except Exception as exc:  # noqa: BLE001
+            yield self._grpc_error(grpc_context, as_serve_error(_unwrap(exc)))
+
+    def _grpc_tenant(self, context) -> str:
+        metadata = dict(context.invocation_metadata()) if context is not None else {}
+        return self.keys.tenant(metadata.get("authorization"))
+
+    def _grpc_fail(self, context, exc: Exception, empty):
+        err = as_serve_error(_unwrap(exc))
+        self.metrics.error(err)
+        if context is not None:
+            context.set_code(err.grpc_code)
+            context.set_details(str(err))
+        return empty
 
     def _parse_grpc(self, request: dlite_pb2.GenerateRequest) -> ParsedRequest:
         # proto3 scalars have no "unset": 0 max_tokens means the server default
@@ -158,18 +268,20 @@ class DLiteIngress:
             context.set_details(str(err))
         return dlite_pb2.GenerateChunk(finish_reason="error")
 
-    def _unimplemented(self, context, empty):
-        err = NotImplementedYet("conversation RPCs arrive with the ConversationRouter")
-        if context is not None:
-            context.set_code(err.grpc_code)
-            context.set_details(str(err))
-        return empty
-
 
 def _unwrap(exc: Exception) -> Exception:
     """Ray wraps replica exceptions; find the typed cause for the status mapping."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, Exception) else exc
+
+
+def _grpc_messages(messages) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def _proto_conversation(conv: dict) -> dlite_pb2.Conversation:
+    return dlite_pb2.Conversation(conversation_id=conv["id"], state=conv["state"], version=conv["version"],
+                                  messages=[dlite_pb2.Message(**m) for m in conv["messages"]])
 
 
 def _public_stats(stats: dict | None) -> dict:

@@ -52,6 +52,10 @@ class TargetWorker:
         self.args = args
         self.engine = build_engine(args.engine)
         self.async_engine = AsyncEngine(self.engine)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # noqa: BLE001 - outside Serve (tests constructing it directly)
+            self.replica_id = "local"
         log.info("target worker ready (draft: %s)", type(self.engine.draft).__name__ if self.engine.draft else "none")
 
     async def generate(self, prompt, params: dict) -> AsyncIterator[dict]:
@@ -64,7 +68,8 @@ class TargetWorker:
             visible = [t for t in tokens if t not in self.engine.eos_ids]
             text = self.engine.tokenizer.decode(visible, skip_special_tokens=True)
             yield {"token_ids": chunk.token_ids, "text": text[decoded:], "finished": chunk.finished,
-                   "finish_reason": chunk.finish_reason, "stats": chunk.stats}
+                   "finish_reason": chunk.finish_reason, "stats": chunk.stats,
+                   "replica": self.replica_id if chunk.finished else None}
             decoded = len(text)
 
     async def encode(self, prompt) -> list[int]:

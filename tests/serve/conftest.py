@@ -8,6 +8,10 @@ import shutil
 import pytest
 
 HTTP_PORT, GRPC_PORT = 18000, 19000
+KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
+AUTH_A = {"authorization": "Bearer key-a"}
+GRPC_A = (("application", "dlite"), ("authorization", "Bearer key-a"))
+GRPC_B = (("application", "dlite"), ("authorization", "Bearer key-b"))
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +37,7 @@ def tiny_serving_model(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def serve_app(tiny_serving_model):
+def serve_app(tiny_serving_model, tmp_path_factory):
     import ray
     from ray import serve
 
@@ -45,8 +49,11 @@ def serve_app(tiny_serving_model):
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
                 grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [
                     "dlite_ray.serve.proto.dlite_pb2_grpc.add_DLiteServiceServicer_to_server"]})
+    root = tmp_path_factory.mktemp("serve-state")
+    (root / "keys").write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     args = AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=True,
-                                     adaptive_draft_length=False, max_kv_tokens=8192, draft_timeout_s=10))
+                                     adaptive_draft_length=False, max_kv_tokens=8192, draft_timeout_s=10),
+                   api_keys_file=str(root / "keys"), conversations={"store_path": str(root / "conv.sqlite3")})
     handle = serve.run(build_app(args), name="dlite", route_prefix="/")
     yield handle, args
     serve.shutdown()

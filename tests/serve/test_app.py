@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
-from tests.serve.conftest import GRPC_PORT, HTTP_PORT
+from tests.serve.conftest import AUTH_A, GRPC_A, GRPC_B, GRPC_PORT, HTTP_PORT
 
 URL = f"http://127.0.0.1:{HTTP_PORT}"
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -45,7 +45,8 @@ def _wait_for_draft(serve_app, timeout=60):
 
 def test_chat_completion_equals_library_engine(serve_app, reference):
     _wait_for_draft(serve_app)
-    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, timeout=120)
+    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, headers=AUTH_A,
+                      timeout=120)
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["choices"][0]["message"]["content"] == reference.text
@@ -55,7 +56,7 @@ def test_chat_completion_equals_library_engine(serve_app, reference):
 
 def test_streaming_chat_completion(serve_app, reference):
     r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
-                      stream=True, timeout=120)
+                      headers=AUTH_A, stream=True, timeout=120)
     assert r.status_code == 200
     text, events = "", 0
     for line in r.iter_lines():
@@ -69,7 +70,7 @@ def test_grpc_generate_streams_the_same_tokens(serve_app, reference):
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = dlite_pb2_grpc.DLiteServiceStub(channel)
         req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=24)
-        chunks = list(stub.Generate(req, metadata=(("application", "dlite"),), timeout=120))
+        chunks = list(stub.Generate(req, metadata=GRPC_A, timeout=120))
     assert [t for c in chunks for t in c.token_ids] == reference.token_ids
     assert chunks[-1].finish_reason and chunks[-1].stats.mean_accept_length >= 1
 
@@ -91,15 +92,15 @@ def test_models_health_and_metrics(serve_app):
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
 ])
 def test_bad_requests_get_openai_errors(serve_app, body, message):
-    r = requests.post(f"{URL}/v1/chat/completions", json=body, timeout=30)
+    r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=30)
     assert r.status_code == 400
     assert message in r.json()["error"]["message"]
 
 
 def test_non_utf8_and_oversized_bodies(serve_app):
-    r = requests.post(f"{URL}/v1/chat/completions", data=b"\xff\xfe{", timeout=30)
+    r = requests.post(f"{URL}/v1/chat/completions", data=b"\xff\xfe{", headers=AUTH_A, timeout=30)
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
-    r = requests.post(f"{URL}/v1/chat/completions", data=b"x" * (5 << 20), timeout=30)
+    r = requests.post(f"{URL}/v1/chat/completions", data=b"x" * (5 << 20), headers=AUTH_A, timeout=30)
     assert r.status_code == 413
 
 
@@ -108,7 +109,7 @@ def test_grpc_invalid_argument(serve_app):
         stub = dlite_pb2_grpc.DLiteServiceStub(channel)
         req = dlite_pb2.GenerateRequest(prompt="hi", temperature=-2, max_tokens=4)
         with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(req, metadata=(("application", "dlite"),), timeout=60))
+            list(stub.Generate(req, metadata=GRPC_A, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -116,7 +117,7 @@ def test_killing_the_draft_actor_mid_stream_still_completes(serve_app, reference
     _wait_for_draft(serve_app)
     worker = _worker(serve_app)
     r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
-                      stream=True, timeout=120)
+                      headers=AUTH_A, stream=True, timeout=120)
     lines = r.iter_lines()
     text = ""
     for line in lines:
@@ -130,5 +131,57 @@ def test_killing_the_draft_actor_mid_stream_still_completes(serve_app, reference
     assert text == reference.text
     _wait_for_draft(serve_app, timeout=120)  # restarted and reconnected
     assert worker.stats.remote().result()["draft_restarts"] >= 1
-    again = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, timeout=120)
+    again = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, headers=AUTH_A,
+                      timeout=120)
     assert again.json()["choices"][0]["message"]["content"] == reference.text
+
+
+def test_credentials_are_required(serve_app):
+    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES}, timeout=30)
+    assert r.status_code == 401
+    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES},
+                      headers={"authorization": "Bearer wrong"}, timeout=30)
+    assert r.status_code == 401
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(dlite_pb2.GenerateRequest(prompt="hi", max_tokens=2),
+                               metadata=(("application", "dlite"),), timeout=60))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_tool_loop_over_grpc_conversations(serve_app, tiny_serving_model):
+    from dlite_ray.engine.engine import DLiteEngine
+
+    target_dir, draft_dir = tiny_serving_model
+    library = DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
+    tool_result = {"role": "tool", "content": "result: 42"}
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        conv = stub.CreateConversation(dlite_pb2.CreateConversationRequest(
+            messages=[dlite_pb2.Message(**m) for m in MESSAGES]), metadata=GRPC_A, timeout=60)
+        first = list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(
+            conversation_id=conv.conversation_id, max_tokens=16), metadata=GRPC_A, timeout=120))
+        second = list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(
+            conversation_id=conv.conversation_id, messages=[dlite_pb2.Message(**tool_result)], max_tokens=16),
+            metadata=GRPC_A, timeout=120))
+        stored = stub.GetConversation(dlite_pb2.GetConversationRequest(conversation_id=conv.conversation_id),
+                                      metadata=GRPC_A, timeout=60)
+        # another tenant: the conversation does not exist
+        for call, req in ((stub.GetConversation, dlite_pb2.GetConversationRequest),
+                          (stub.DeleteConversation, dlite_pb2.DeleteConversationRequest)):
+            with pytest.raises(grpc.RpcError) as err:
+                call(req(conversation_id=conv.conversation_id), metadata=GRPC_B, timeout=60)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(conversation_id=conv.conversation_id, max_tokens=4),
+                                        metadata=GRPC_B, timeout=60))
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    reply1 = library.generate(MESSAGES, max_new_tokens=16)[0]
+    assert "".join(c.text for c in first) == reply1.text
+    history = MESSAGES + [{"role": "assistant", "content": reply1.text}, tool_result]
+    reply2 = library.generate(history, max_new_tokens=16)[0]
+    assert "".join(c.text for c in second) == reply2.text
+    assert second[-1].stats.cached_prompt_tokens > 0  # the history's KV was reused
+    assert [m.role for m in stored.messages] == ["user", "assistant", "tool", "assistant"]
+    assert stored.version == 2 and stored.state == "paused"

@@ -1,0 +1,63 @@
+"""ConversationRouter: one replica that owns the durable conversation registry.
+
+The ingress asks it to create, read, claim (begin a turn), complete and delete
+conversations; it expires leases in the background. Histories live in SQLite, so a
+restarted router finds every conversation again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict
+
+from ray import serve
+
+from dlite_ray.serve.config import AppArgs
+from dlite_ray.serve.conversation_store import ConversationStore
+
+log = logging.getLogger(__name__)
+EXPIRY_PERIOD_S = 5.0
+
+
+class ConversationRouter:
+    def __init__(self, args: AppArgs):
+        self.args = args.conversations
+        self.store = ConversationStore(self.args.store_path)
+        self._expiry = None
+
+    def _ensure_expiry_task(self) -> None:
+        if self._expiry is None:
+            self._expiry = asyncio.get_running_loop().create_task(self._expire_forever())
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(EXPIRY_PERIOD_S)
+            for conv in self.store.expire():
+                log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
+
+    async def create(self, tenant: str, messages: list[dict]) -> dict:
+        self._ensure_expiry_task()
+        return asdict(self.store.create(tenant, messages))
+
+    async def get(self, tenant: str, conversation_id: str) -> dict:
+        return asdict(self.store.get(tenant, conversation_id))
+
+    async def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict]) -> dict:
+        self._ensure_expiry_task()
+        return asdict(self.store.begin_turn(tenant, conversation_id, messages))
+
+    async def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
+                          lease_s: float | None) -> dict:
+        lease = min(lease_s or self.args.default_lease_s, self.args.max_lease_s)
+        return asdict(self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease))
+
+    async def abandon_turn(self, tenant: str, conversation_id: str) -> None:
+        self.store.abandon_turn(tenant, conversation_id)
+
+    async def delete(self, tenant: str, conversation_id: str) -> bool:
+        self.store.delete(tenant, conversation_id)
+        return True
+
+
+ConversationRouterDeployment = serve.deployment(ConversationRouter, name="ConversationRouter", num_replicas=1)
