@@ -135,3 +135,22 @@ def test_adaptive_length_keeps_a_good_draft_on(tiny_target, alone):
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == alone
     assert sum(r.stats["mean_accept_length"] for r in out) / len(out) > 3
+
+
+def test_draft_side_state_does_not_grow_with_context(tiny_target, tiny_draft):
+    """History-free: what crosses to the draft per request is [S, D] + G tokens, at 20 or 400 tokens of context."""
+    from dlite_ray.engine.draft_transport import InProcessDraftTransport
+
+    seen = []
+
+    class Recording(InProcessDraftTransport):
+        def propose(self, request):
+            seen.append((tuple(request.features.shape[1:]), tuple(request.token_groups.shape[1:])))
+            return super().propose(request)
+
+    engine = make_engine(tiny_target, Recording(tiny_draft, "rec"))
+    engine.generate([PROMPTS[0][:5]], max_new_tokens=8)
+    short = set(seen)
+    seen.clear()
+    engine.generate([(PROMPTS[1] * 10)[:400]], max_new_tokens=8)
+    assert short == set(seen) and len(short) == 1
