@@ -18,7 +18,7 @@ from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.auth import KeyRing
-from dlite_ray.serve.errors import PayloadTooLarge, ServeError, as_serve_error, openai_error_body
+from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion, sampling
@@ -184,7 +184,7 @@ class DLiteIngress:
             parsed = self._parse_grpc(request)
             await self.worker.encode.remote(parsed.prompt)
         except Exception as exc:  # noqa: BLE001
-            yield self._grpc_error(grpc_context, as_serve_error(_unwrap(exc)))
+            yield self._grpc_error(grpc_context, exc)
             return
         try:
             async for chunk in self._generate(parsed):
@@ -192,7 +192,7 @@ class DLiteIngress:
                                               finish_reason=chunk["finish_reason"] or "",
                                               stats=_proto_stats(chunk["stats"]))
         except Exception as exc:  # noqa: BLE001
-            yield self._grpc_error(grpc_context, as_serve_error(_unwrap(exc)))
+            yield self._grpc_error(grpc_context, exc)
 
     async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):  # noqa: N802
         stats = await self.worker.stats.remote()
@@ -235,7 +235,7 @@ class DLiteIngress:
                                               finish_reason=chunk["finish_reason"] or "",
                                               stats=_proto_stats(chunk["stats"]))
         except Exception as exc:  # noqa: BLE001
-            yield self._grpc_error(grpc_context, as_serve_error(_unwrap(exc)))
+            yield self._grpc_error(grpc_context, exc)
 
     def _grpc_tenant(self, context) -> str:
         metadata = dict(context.invocation_metadata()) if context is not None else {}
@@ -261,12 +261,10 @@ class DLiteIngress:
         body["prompt"] = request.prompt
         return parse_completion(body, self.args.limits)
 
-    def _grpc_error(self, context, err: ServeError):
-        self.metrics.error(err)
-        if context is not None:
-            context.set_code(err.grpc_code)
-            context.set_details(str(err))
-        return dlite_pb2.GenerateChunk(finish_reason="error")
+    def _grpc_error(self, context, exc: Exception) -> dlite_pb2.GenerateChunk:
+        """The one chunk a failed stream yields (a stream that returns without yielding
+        reaches the client as OK)."""
+        return self._grpc_fail(context, exc, dlite_pb2.GenerateChunk(finish_reason="error"))
 
 
 def _unwrap(exc: Exception) -> Exception:
