@@ -26,6 +26,16 @@ from dlite_ray.runtime.sequential_head import DLiteSequentialHead
 
 
 @dataclass(slots=True)
+class HistoryWindow:
+    """Keys/values-only entries before the pivot: the stage-0 teacher's sliding window
+    (training only; the shipped draft never sees history)."""
+
+    states: torch.Tensor  # [N, W, D] at draft width
+    distances: torch.Tensor  # [W] how many positions each entry lies before the pivot (>= 1)
+    valid: torch.Tensor  # [N, W] bool; False where a row's history is shorter than W
+
+
+@dataclass(slots=True)
 class DraftProposal:
     tokens: torch.Tensor  # [N, K]
     probs: torch.Tensor | None  # [N, K, V] the distributions the tokens were drawn from; None if all greedy
@@ -54,8 +64,12 @@ class DLiteDraftModel(nn.Module):
         self.register_buffer("layer_ids", torch.tensor(cfg.target_layer_ids), persistent=False)
 
     # -- backbone ---------------------------------------------------------------------
-    def backbone(self, features: torch.Tensor, token_groups: torch.Tensor, num_masks: int) -> torch.Tensor:
-        """features [N, S, D], token_groups [N, G] -> backbone outputs at the masks [N, num_masks, D]."""
+    def backbone(self, features: torch.Tensor, token_groups: torch.Tensor, num_masks: int,
+                 history: HistoryWindow | None = None) -> torch.Tensor:
+        """features [N, S, D], token_groups [N, G] -> backbone outputs at the masks [N, num_masks, D].
+
+        `history` (teacher only) adds keys/values before the pivot, at local positions
+        pivot - distance, masked where a row has fewer entries."""
         n, s, _ = features.shape
         g = token_groups.shape[1]
         ctx = self.context_norm(features + self.layer_depth_embedding(self.layer_ids).to(features.dtype))
@@ -64,16 +78,26 @@ class DLiteDraftModel(nn.Module):
         pos = build_block_position_ids(g, num_masks, s, features.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         ctx_cos, ctx_sin, q_cos, q_sin = cos[:s], sin[:s], cos[s:], sin[s:]
+        mask = None
+        if history is not None:
+            h_cos, h_sin = self.rotary.cos_sin(pos[0] - history.distances, x.dtype)
+            seen = torch.ones(n, s + x.shape[1], dtype=torch.bool, device=x.device)
+            mask = torch.cat([history.valid, seen], dim=1)[:, None, None, :]
 
         for layer in self.layers:
             ctx_kv_in = layer.input_layernorm(ctx)
+            hist_kv_in = None if history is None else layer.input_layernorm(history.states)
 
-            def attend(q, k, v, layer=layer, ctx_kv_in=ctx_kv_in):
-                # Context slots are keys/values only: project them with this layer's k/v.
+            def attend(q, k, v, layer=layer, ctx_kv_in=ctx_kv_in, hist_kv_in=hist_kv_in):
+                # Context slots (and history) are keys/values only: this layer's k/v project them.
                 ck, cv = _project_context(layer.self_attn, ctx_kv_in, ctx_cos, ctx_sin)
-                keys, values = torch.cat([ck, k], dim=1), torch.cat([cv, v], dim=1)  # [N, S+G+M, Hkv, Dh]
+                keys, values = [ck, k], [cv, v]
+                if hist_kv_in is not None:
+                    hk, hv = _project_context(layer.self_attn, hist_kv_in, h_cos, h_sin)
+                    keys, values = [hk, *keys], [hv, *values]
+                keys, values = torch.cat(keys, dim=1), torch.cat(values, dim=1)  # [N, (W+)S+G+M, Hkv, Dh]
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
-                                                     values.transpose(1, 2), enable_gqa=True)
+                                                     values.transpose(1, 2), attn_mask=mask, enable_gqa=True)
                 return out.transpose(1, 2)
 
             x = layer(x, q_cos, q_sin, attend)
@@ -120,7 +144,7 @@ class DLiteDraftModel(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path, target_embedding: nn.Embedding, num_target_layers: int,
-             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "DLiteDraftModel":
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> DLiteDraftModel:
         directory = Path(directory)
         if not (directory / "config.json").exists() or not (directory / "model.safetensors").exists():
             raise DraftConfigError(f"{directory} is not a draft checkpoint (needs config.json + model.safetensors)")

@@ -4,6 +4,10 @@ An anchor at absolute position t+1 has its pivot at t: the draft sees the pivot 
 the anchor token, and learns the target's next K greedy tokens. Many anchors of many
 sequences go in one pass as independent rows [N, S + 1 + K]: attention never crosses rows,
 which is the block-diagonal mask of the reference training code without the padding.
+
+The stage-0 teacher also gets a window of the W positions before each pivot (their
+recorded features, left-padded where the response is younger than W, with a validity mask).
+Records start at the last prompt token, so the window covers the response only.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class Batch:
     labels: torch.Tensor  # [N, K]
     top_ids: torch.Tensor  # [N, K, k]
     top_probs: torch.Tensor  # [N, K, k]
+    history: torch.Tensor | None = None  # [N, W, F, D]: F fused layers at the W positions before the pivot
+    history_valid: torch.Tensor | None = None  # [N, W] bool
 
 
 def all_anchors(records: list[Record], k: int) -> list[tuple[int, int]]:
@@ -31,11 +37,12 @@ def all_anchors(records: list[Record], k: int) -> list[tuple[int, int]]:
     out = []
     for r, rec in enumerate(records):
         n = rec.argmax.shape[0]
-        out += [(r, j) for j in range(0, n - k)]
+        out += [(r, j) for j in range(n - k)]
     return out
 
 
-def make_batch(records: list[Record], anchors: list[tuple[int, int]], k: int) -> Batch:
+def make_batch(records: list[Record], anchors: list[tuple[int, int]], k: int, window: int = 0,
+               history_slots: tuple[int, ...] = ()) -> Batch:
     feats, anc, labels, top_i, top_p = [], [], [], [], []
     for r, j in anchors:
         rec = records[r]
@@ -47,8 +54,26 @@ def make_batch(records: list[Record], anchors: list[tuple[int, int]], k: int) ->
         top_p.append(rec.top_probs[j + 1:j + 1 + k])
     anchors_t = torch.stack(anc).long()[:, None]
     labels_t = torch.stack(labels).long()
-    return Batch(torch.stack(feats).float(), anchors_t, torch.cat([anchors_t, labels_t[:, :-1]], dim=1),
-                 labels_t, torch.stack(top_i), torch.stack(top_p))
+    batch = Batch(torch.stack(feats).float(), anchors_t, torch.cat([anchors_t, labels_t[:, :-1]], dim=1),
+                  labels_t, torch.stack(top_i), torch.stack(top_p))
+    if window > 0:
+        batch.history, batch.history_valid = history_window(records, anchors, window, history_slots)
+    return batch
+
+
+def history_window(records: list[Record], anchors: list[tuple[int, int]], window: int,
+                   slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features of the `window` positions before each pivot (entry w lies window - w before
+    it), the selected tap slots only, and which entries exist."""
+    n, d = len(anchors), records[0].features.shape[-1]
+    out = torch.zeros(n, window, len(slots), d)
+    valid = torch.zeros(n, window, dtype=torch.bool)
+    for i, (r, j) in enumerate(anchors):
+        have = min(window, j)
+        if have:
+            out[i, window - have:] = records[r].features[j - have:j, list(slots)].float()
+            valid[i, window - have:] = True
+    return out, valid
 
 
 class AnchorSampler:

@@ -23,4 +23,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--extend-from", default=None,
                    help="reuse an earlier --out's data (its dev split stays the dev split) and add new prompts")
+    p.add_argument("--teacher-steps", type=int, default=0,
+                   help="stage-0 sliding-window teacher steps (0 = one-stage student, CE + TV only)")
+    p.add_argument("--window", type=int, default=64, help="teacher: positions of history before the pivot")
+    p.add_argument("--blend-steps", type=int, default=None,
+                   help="student steps under the teacher's frozen head, KL blended into CE + TV "
+                        "(default: a third of --steps; the rest train everything on CE + TV)")
     p.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,8 @@
-"""`dlite-ray train`: prompts -> target replies -> target features -> student -> draft checkpoint.
+"""`dlite-ray train`: prompts -> target replies -> target features -> [teacher ->] student -> draft.
 
-Every stage is cached in --out, so a rerun resumes where the last one stopped.
+With --teacher-steps 0 the student is trained in one stage (CE + TV); otherwise a
+sliding-window teacher is trained first and the student learns under its head
+(`teacher.py`). Every stage is cached in --out, so a rerun resumes where the last one stopped.
 """
 
 from __future__ import annotations
@@ -9,18 +11,20 @@ import json
 import logging
 import resource
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import dataset_bytes, extract_records, generate_conversations, load_records, save_records
-from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.training.prompts import build_prompt_set
-from dlite_ray.training.trainer import TrainConfig, train
+from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
+from dlite_ray.training.trainer import TrainConfig, student_objective, train
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,31 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     return records
 
 
+def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
+                    args) -> dict:
+    """Teacher (--teacher-steps), then the student: --blend-steps of KL blended into CE + TV
+    under the teacher's frozen head, then the rest of --steps with everything trainable."""
+    blend_steps = args.blend_steps if args.blend_steps is not None else args.steps // 3
+    if not 0 < blend_steps < args.steps:
+        raise ValueError(f"--blend-steps must lie in (0, --steps), got {blend_steps}")
+    teacher = WindowTeacher(new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed + 1),
+                            args.window)
+    stages = {"teacher": train(teacher_objective(teacher, cfg), *data, replace(cfg, steps=args.teacher_steps),
+                               out, "teacher")}
+    adopt_teacher_head(draft, teacher)
+    stages["student_blend"] = train(blend_objective(draft, teacher, cfg), *data, replace(cfg, steps=blend_steps),
+                                    out, "student_blend")
+    draft.sequential_head.requires_grad_(True)
+    stages["student"] = train(student_objective(draft, cfg), *data, replace(cfg, steps=args.steps - blend_steps),
+                              out, "student")
+    for label, s in stages.items():
+        log.info("%s: dev tau %.3f after %d steps, %.0f s", label, s["final_dev"]["tau"], s["config"]["steps"],
+                 s["seconds"])
+    return {**stages["student"], "seconds": sum(s["seconds"] for s in stages.values()),
+            "stages": {label: {"final_dev": s["final_dev"], "steps": s["config"]["steps"], "seconds": s["seconds"]}
+                       for label, s in stages.items()}}
+
+
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -106,8 +135,11 @@ def run(args) -> dict:
     k = args.block_size - 1
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       weight_decay=args.weight_decay)
-    summary = train(draft, train_records, all_anchors(train_records, k), dev_records,
-                    all_anchors(dev_records, k), k, cfg, out)
+    data = (train_records, all_anchors(train_records, k), dev_records, all_anchors(dev_records, k), k)
+    if args.teacher_steps > 0:
+        summary = train_two_stage(engine, draft, data, cfg, out, args)
+    else:
+        summary = train(student_objective(draft, cfg), *data, cfg, out)
     draft.save(out / "draft")
     if args.export:
         draft.save(args.export)

@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from dlite_ray.training.losses import cosine_lr, cross_entropy, kl_divergence, position_weights, \
-    total_variation_topk
+from dlite_ray.training.losses import cosine_lr, cross_entropy, kl_divergence, position_weights, total_variation_topk
 
 
 def test_position_weights_decay_and_average_one():

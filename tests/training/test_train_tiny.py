@@ -11,7 +11,7 @@ from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training.batches import all_anchors, make_batch
 from dlite_ray.training.data import Record, extract_records, load_records, save_records
-from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, train
+from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
 from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import make_engine, random_draft
 
@@ -62,10 +62,10 @@ def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
         p.requires_grad_(False)
     records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
     anchors = all_anchors(records, 7)
-    before = greedy_acceptance(draft, records, anchors, 7)
     cfg = TrainConfig(steps=60, batch_size=32, lr=3e-3, warmup=5, eval_every=60, checkpoint_every=30,
                       bf16_autocast=False)
-    summary = train(draft, records, anchors, records, anchors, 7, cfg, tmp_path / "run")
+    before = greedy_acceptance(student_objective(draft, cfg), records, anchors, 7)
+    summary = train(student_objective(draft, cfg), records, anchors, records, anchors, 7, cfg, tmp_path / "run")
     losses = [h["loss"] for h in summary["history"]]
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
     assert summary["final_dev"]["tau"] > before["tau"]
@@ -75,5 +75,5 @@ def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
     # resuming from the checkpoint continues at the saved step
     cfg2 = TrainConfig(steps=70, batch_size=32, lr=3e-3, warmup=5, eval_every=70, checkpoint_every=35,
                        bf16_autocast=False)
-    resumed = train(draft, records, anchors, records, anchors, 7, cfg2, tmp_path / "run")
+    resumed = train(student_objective(draft, cfg2), records, anchors, records, anchors, 7, cfg2, tmp_path / "run")
     assert resumed["history"][-1]["step"] == 70 and len(resumed["history"]) == 70
