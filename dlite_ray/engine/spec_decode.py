@@ -34,6 +34,7 @@ class SpecDecoder:
         self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
 
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
+        step_started = time.perf_counter()
         decodes = schedule.decodes
         ks = self.policy.choose(decodes, [self._max_draft(s) for s in decodes], len(schedule.prefills))
         drafts, q_probs, draft_time, ks = self._propose(decodes, ks)
@@ -68,6 +69,9 @@ class SpecDecoder:
             st.decode_wall_time = now - st.first_token_time
             st.last_token_time = now
             emitted[seq] = seq.append_tokens(drafts[i][:a] + [next_l[i]], self.eos_ids)
+        if decodes and not schedule.prefills:
+            self.policy.observe_step(len(decodes), ks, sum(accepted_l) + len(decodes),
+                                     time.perf_counter() - step_started)
         return emitted
 
     def _max_draft(self, seq: Sequence) -> int:

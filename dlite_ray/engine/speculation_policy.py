@@ -6,7 +6,9 @@ drafted token with probability alpha_i (its own running estimate, from a prior),
 j-th drafted token adds alpha_i ** j expected tokens. Starting from plain decoding,
 draft tokens are added greedily while they raise expected tokens per second of the
 whole step; when speculation does not pay (low acceptance, compute-bound batch), every
-K_i stays 0 and the engine decodes plainly.
+K_i stays 0 and the engine decodes plainly. Whether to speculate at all is then checked
+against what speculative and plain steps measurably delivered at this batch size
+(`StepRates`), so a wrong cost model cannot make the engine slower than plain decoding.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dlite_ray.engine.sequence import Sequence
+from dlite_ray.engine.step_rates import StepRates
 
 
 @dataclass(slots=True)
@@ -38,6 +41,7 @@ class SpeculationPolicy:
     def __init__(self, max_draft_tokens: int, adaptive: bool = True):
         self.max_draft_tokens, self.adaptive = max_draft_tokens, adaptive
         self.cost = CostModel()
+        self.rates: StepRates | None = StepRates() if adaptive else None
         self._forward: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._draft: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
@@ -52,6 +56,20 @@ class SpeculationPolicy:
         caps = [min(c, self.max_draft_tokens) for c in caps]
         if not self.adaptive or not seqs or max(caps) == 0:
             return caps
+        ks, pays = self._allocate(seqs, caps, prefill_tokens)
+        speculate = pays
+        if self.rates is not None and prefill_tokens == 0:  # steps with prefill say little about decoding
+            speculate = self.rates.should_speculate(len(seqs), pays)
+        if speculate and not any(ks):
+            ks = [min(cap, 1) for cap in caps]  # measuring speculation the model would not try
+        chosen = ks if speculate else [0] * len(seqs)
+        for seq, k in zip(seqs, chosen):
+            if k == 0 and seq in self._accept:
+                self._accept[seq] = [x * self.IDLE_DECAY for x in self._accept[seq]]
+        return chosen
+
+    def _allocate(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int) -> tuple[list[int], bool]:
+        """Draft positions per row by the cost model, and whether they beat plain decoding."""
         c = self.cost
         plain_time = c.v0 + c.v1 * (prefill_tokens + len(seqs))
         plain_rate = len(seqs) / plain_time
@@ -74,11 +92,12 @@ class SpeculationPolicy:
             gain += alphas[best] ** (ks[best] + 1)
             time += best_cost
             ks[best] += 1
-        chosen = ks if gain / time > plain_rate else [0] * len(seqs)
-        for seq, k in zip(seqs, chosen):
-            if k == 0 and seq in self._accept:
-                self._accept[seq] = [x * self.IDLE_DECAY for x in self._accept[seq]]
-        return chosen
+        return ks, gain / time > plain_rate
+
+    def observe_step(self, batch: int, ks: list[int], tokens: int, seconds: float) -> None:
+        """What a decode-only step delivered: `tokens` emitted in `seconds` of the whole step."""
+        if self.rates is not None and batch > 0:
+            self.rates.record(batch, max(ks, default=0) > 0, tokens, seconds)
 
     def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int],
                 accepted: list[int], seqs: list[Sequence] | None = None) -> None:

@@ -115,6 +115,7 @@ def _with_model_costs(engine):
 
     engine.policy.cost = CostModel(v0=0.04, v1=0.0008, d0=0.003, d1=0.0008)
     engine.policy.observe = lambda *args, **kwargs: None
+    engine.policy.rates = None  # and decide by the model alone
     return engine
 
 

@@ -1,0 +1,66 @@
+"""Measured tokens per second of speculative vs plain steps, per batch-size bucket.
+
+The cost model in `speculation_policy.py` allocates draft positions, but a model can be
+wrong about a machine (per-row overheads, a compute-bound CPU at batch 4, a draft whose
+acceptance drifts). This guard settles "speculate or not" on what the steps actually
+delivered: after each mode has been measured a few times at this batch size, the faster
+one runs, and the slower one is re-measured every EXPLORE_EVERY steps so a change (a
+better draft, other prompts) is noticed. Its price is one step in EXPLORE_EVERY at the
+slower mode.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Rate:
+    tokens: float = 0.0  # exponentially weighted sums: tokens / seconds is the recent rate
+    seconds: float = 0.0
+    samples: int = 0
+
+    def add(self, tokens: int, seconds: float, decay: float) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
+        self.samples += 1
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def batch_bucket(batch: int) -> int:
+    """1, 2, 4, 8, ...: the smallest power of two >= batch."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class StepRates:
+    # DECAY: a mode's figure is mostly its last two or three samples, so two or three probes
+    # are enough to notice that the slower mode became the faster one.
+    MIN_SAMPLES, EXPLORE_EVERY, DECAY = 3, 16, 0.5
+
+    def __init__(self) -> None:
+        self._rates: dict[tuple[int, bool], _Rate] = {}
+        self._steps: Counter[int] = Counter()
+
+    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        self._rates.setdefault((batch_bucket(batch), speculated), _Rate()).add(tokens, seconds, self.DECAY)
+
+    def rate(self, batch: int, speculated: bool) -> float:
+        return self._rates.get((batch_bucket(batch), speculated), _Rate()).value
+
+    def should_speculate(self, batch: int, model_says: bool) -> bool:
+        b = batch_bucket(batch)
+        self._steps[b] += 1
+        spec, plain = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
+        known_spec, known_plain = spec.samples >= self.MIN_SAMPLES, plain.samples >= self.MIN_SAMPLES
+        if not known_spec and not known_plain:
+            return model_says  # measure the model's choice first
+        if not known_spec or not known_plain:
+            return not known_spec  # then the other one
+        best = spec.value >= plain.value
+        if self._steps[b] % self.EXPLORE_EVERY == 0:
+            return not best  # keep the other figure current
+        return best
