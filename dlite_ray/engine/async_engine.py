@@ -11,8 +11,8 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 from dlite_ray.engine.engine import DLiteEngine, Prompt, stats_dict
 from dlite_ray.engine.sequence import SamplingParams, Sequence
@@ -34,17 +34,21 @@ class AsyncEngine:
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._held: tuple[str, ...] = ()
+        self._evicted: list[str] = []
         self._thread = threading.Thread(target=self._loop, name="dlite-engine", daemon=True)
         self._thread.start()
 
-    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[Chunk]:
-        """Stream a request's tokens; cancelling the consumer aborts the request."""
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                       lease: str | None = None) -> AsyncIterator[Chunk]:
+        """Stream a request's tokens; cancelling the consumer aborts the request. With
+        `lease`, its KV stays pinned afterwards until `release_lease`."""
         ids = self.engine.encode(prompt)  # validation errors surface here, in the caller
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done = asyncio.Event()
         seq_holder: list[Sequence] = []
-        self._inbox.put(("add", ids, params, request_id, loop, out, seq_holder))
+        self._inbox.put(("add", ids, params, request_id, lease, loop, out, seq_holder))
         try:
             while True:
                 item = await out.get()
@@ -61,7 +65,22 @@ class AsyncEngine:
     def stats(self) -> dict:
         blocks = self.engine.runner.blocks
         return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
-                "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks}
+                "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks,
+                "held_leases": len(self.held_leases)}
+
+    @property
+    def held_leases(self) -> tuple[str, ...]:
+        """Conversations whose KV this engine pins (a snapshot taken by the engine thread)."""
+        return self._held
+
+    def take_evicted_leases(self) -> list[str]:
+        """Leases given up under memory pressure since the last call."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def release_lease(self, lease: str) -> None:
+        """Unpin a conversation's KV (applied by the engine thread, between steps)."""
+        self._inbox.put(("release", lease))
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -72,11 +91,12 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             self._drain_inbox(block=not self.engine.has_unfinished())
+            self._snapshot_leases()
             if not self.engine.has_unfinished():
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, not the loop
+            except Exception as exc:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
@@ -86,6 +106,10 @@ class AsyncEngine:
                               stats_dict(seq) if seq.is_finished else None)
                 self._emit(seq.request_id, chunk, final=seq.is_finished)
 
+    def _snapshot_leases(self) -> None:
+        self._held = tuple(self.engine.held_leases)
+        self._evicted = self._evicted + self.engine.take_evicted_leases()
+
     def _drain_inbox(self, block: bool) -> None:
         while True:
             try:
@@ -94,9 +118,9 @@ class AsyncEngine:
                 return
             block = False
             if item[0] == "add":
-                _, ids, params, request_id, loop, out, holder = item
+                _, ids, params, request_id, lease, loop, out, holder = item
                 try:
-                    seq = self.engine.add_request(ids, params, request_id)
+                    seq = self.engine.add_request(ids, params, request_id, lease)
                 except Exception as exc:  # noqa: BLE001 - reported to that caller only
                     loop.call_soon_threadsafe(out.put_nowait, exc)
                     continue
@@ -105,6 +129,8 @@ class AsyncEngine:
             elif item[0] == "abort":
                 if self.engine.abort(item[1]):
                     self._streams.pop(item[1], None)
+            elif item[0] == "release":
+                self.engine.release_lease(item[1])
             elif item[0] == "stop":
                 return
 

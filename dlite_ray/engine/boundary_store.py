@@ -5,6 +5,11 @@ pivot features are kept, stamped with a FeatureVersion. A new request whose toke
 exactly those KV tokens plus one more (its anchor) resumes straight into drafting.
 Features are only valid for the weights that made them: a version with another target
 or draft fingerprint is never used.
+
+Leases: a paused conversation's boundary can be saved under a lease name. A leased entry
+is outside the LRU capacity and is given up only when released (lease expiry, delete) or,
+as a last resort, under memory pressure; then its name is reported in `evicted_leases`
+so the server can tell the router the conversation must re-prefill elsewhere.
 """
 
 from __future__ import annotations
@@ -32,20 +37,31 @@ class Boundary:
     pivot_features: torch.Tensor | None
     blocks: list[int]  # pinned KV blocks holding `tokens`
     block_hashes: list[int]
+    lease: str | None = None
 
 
 class BoundaryStore:
     def __init__(self, blocks: BlockManager, capacity: int = 64):
         self.blocks, self.capacity = blocks, capacity
         self._entries: OrderedDict[int, Boundary] = OrderedDict()
+        self._leases: dict[str, int] = {}  # lease -> entry key
+        self.evicted_leases: list[str] = []
         self.hits = 0
         self.stale = 0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def leases(self) -> list[str]:
+        return list(self._leases)
+
     def save(self, tokens: list[int], num_computed: int, pivot_features: torch.Tensor | None, block_table: list[int],
-             block_hashes: list[int], target_fp: str, draft_fp: str) -> None:
+             block_hashes: list[int], target_fp: str, draft_fp: str, lease: str | None = None) -> None:
+        """Keep a finished sequence's KV + anchor + features; under `lease`, until released
+        (a lease holds one boundary: its conversation's latest)."""
+        if lease is not None:
+            self.release_lease(lease)
         if num_computed == 0 or num_computed != len(tokens) - 1:
             return  # only a sequence whose KV holds everything but its anchor
         kv_tokens = tuple(tokens[:num_computed])
@@ -55,9 +71,19 @@ class BoundaryStore:
         for b in block_table[:used]:
             self.blocks.hold(b)
         self._entries[key] = Boundary(FeatureVersion(target_fp, draft_fp, num_computed), kv_tokens, tokens[-1],
-                                      pivot_features, list(block_table[:used]), list(block_hashes))
-        while len(self._entries) > self.capacity:
-            self.evict_oldest()
+                                      pivot_features, list(block_table[:used]), list(block_hashes), lease)
+        if lease is not None:
+            self._leases[lease] = key
+        while len(self._entries) - len(self._leases) > self.capacity and self._drop_oldest(leased=False):
+            pass
+
+    def release_lease(self, lease: str) -> bool:
+        """The lease ended: its boundary joins the LRU (still reusable until evicted)."""
+        key = self._leases.pop(lease, None)
+        if key is None:
+            return False
+        self._entries[key].lease = None
+        return True
 
     def take(self, tokens: list[int], target_fp: str, draft_fp: str) -> Boundary | None:
         """The boundary for exactly tokens[:-1], if one with this version is stored. The
@@ -78,13 +104,22 @@ class BoundaryStore:
         return entry
 
     def evict_oldest(self) -> bool:
-        if not self._entries:
-            return False
-        self._drop(next(iter(self._entries)))
-        return True
+        """Free memory: the least recently used unleased boundary, else (pressure) a leased one."""
+        return self._drop_oldest(leased=False) or self._drop_oldest(leased=True)
+
+    def _drop_oldest(self, leased: bool) -> bool:
+        for key, entry in self._entries.items():
+            if (entry.lease is not None) == leased:
+                if entry.lease is not None:
+                    self.evicted_leases.append(entry.lease)
+                self._drop(key)
+                return True
+        return False
 
     def _drop(self, key: int) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
+            if entry.lease is not None:
+                self._leases.pop(entry.lease, None)
             for b in entry.blocks:
                 self.blocks.release(b)

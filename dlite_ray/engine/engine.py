@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from dlite_ray.constants import DEFAULT_MAX_KV_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, KV_BLOCK_SIZE
-from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.block_manager import OutOfBlocks
 from dlite_ray.engine.boundary_store import BoundaryStore
+from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
@@ -75,16 +76,17 @@ class DLiteEngine:
         self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.runner.blocks, lookahead=k + 1,
                                    admit=self._admit, evict=self._evict_cached, release=self.runner.release)
         self._by_id: dict[str, Sequence] = {}
+        self._lease_of: dict[str, str] = {}  # request id -> the conversation lease it ends under
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = "default", *,
                         device: str = "cpu", dtype: str = "float32", attention_backend: str = "auto",
-                        **engine_kwargs) -> "DLiteEngine":
+                        **engine_kwargs) -> DLiteEngine:
         """target: HF directory or .gguf (None = embedded SmolLM2-135M-Instruct);
         draft: checkpoint directory, "default" (the shipped draft) or None (plain decoding)."""
-        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy
+        from transformers import AutoTokenizer
 
-        from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+        from dlite_ray.runtime.model_store import default_model_dir
 
         if dtype not in DTYPES:
             raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -133,7 +135,10 @@ class DLiteEngine:
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     # -- the serving API ----------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
+                    lease: str | None = None) -> Sequence:
+        """Queue a request. With `lease` (a conversation's name), its KV and boundary
+        features stay pinned after it finishes, until `release_lease(lease)`."""
         seq = Sequence(self.encode(prompt), params)
         if request_id is not None:
             if request_id in self._by_id:
@@ -147,6 +152,8 @@ class DLiteEngine:
             raise InvalidRequest(f"request needs up to {worst} KV positions; the pool holds "
                                  f"{blocks.num_blocks * blocks.block_size} (raise max_kv_tokens)")
         self._by_id[seq.request_id] = seq
+        if lease is not None:
+            self._lease_of[seq.request_id] = lease
         self.scheduler.add(seq)
         return seq
 
@@ -197,10 +204,27 @@ class DLiteEngine:
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self._by_id.pop(seq.request_id, None)
+        lease = self._lease_of.pop(seq.request_id, None)
         if self.boundaries is not None and seq.finish_reason != "abort":
             self.boundaries.save(seq.token_ids, seq.num_computed, seq.pivot_features, seq.block_table,
-                                 seq.block_hashes, self.target_fingerprint, self.draft_fingerprint)
+                                 seq.block_hashes, self.target_fingerprint, self.draft_fingerprint, lease)
         self.runner.release(seq)
+
+    # -- conversation leases --------------------------------------------------------------------
+    def release_lease(self, lease: str) -> bool:
+        """A conversation's lease ended: its KV becomes ordinary, evictable prefix cache."""
+        return self.boundaries is not None and self.boundaries.release_lease(lease)
+
+    @property
+    def held_leases(self) -> list[str]:
+        return self.boundaries.leases if self.boundaries is not None else []
+
+    def take_evicted_leases(self) -> list[str]:
+        """Leases whose KV was given up under memory pressure since the last call."""
+        if self.boundaries is None:
+            return []
+        out, self.boundaries.evicted_leases = self.boundaries.evicted_leases, []
+        return out
 
     # -- the library API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,

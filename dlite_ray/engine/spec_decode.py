@@ -21,9 +21,16 @@ from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
-from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, RowSampling, probabilities, verify_greedy, \
-    verify_match, verify_rejection
-
+from dlite_ray.runtime.sampling import (
+    GREEDY,
+    MATCH,
+    REJECTION,
+    RowSampling,
+    probabilities,
+    verify_greedy,
+    verify_match,
+    verify_rejection,
+)
 
 log = logging.getLogger(__name__)
 
