@@ -29,6 +29,9 @@ class LimitArgs(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
     max_body_bytes: int = Field(4 << 20, ge=1024, description="largest HTTP body accepted")
     max_messages: int = Field(512, ge=1, description="most chat messages in one request")
+    max_in_flight_per_tenant: int = Field(
+        8, ge=1, description="generation requests one tenant (API key) may have in flight at once, per ingress "
+                             "replica; more get HTTP 429 / gRPC RESOURCE_EXHAUSTED")
 
 
 class ConversationArgs(BaseModel):

@@ -9,19 +9,22 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.auth import KeyRing
+from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion, sampling
+from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
@@ -32,6 +35,7 @@ class DLiteIngress:
         self.worker, self.router, self.args = worker, router, args
         self.metrics = Metrics()
         self.keys = KeyRing.load(args.api_keys_file, args.api_keys_env)
+        self.tenant_limits = TenantLimits(args.limits.max_in_flight_per_tenant)
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -56,22 +60,29 @@ class DLiteIngress:
         return await self._http(request, parse_completion, chat=False)
 
     async def _http(self, request: Request, parse, chat: bool):
+        slot: TenantSlot | None = None
         try:
-            self.keys.tenant(request.headers.get("authorization"))
+            tenant = self.keys.tenant(request.headers.get("authorization"))
             parsed = parse(await self._json(request), self.args.limits)
+            slot = self.tenant_limits.acquire(tenant)
             await self.worker.encode.remote(parsed.prompt)  # context-length errors before streaming starts
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
-            err = as_serve_error(_unwrap(exc))
-            self.metrics.error(err)
-            return JSONResponse(openai_error_body(err), status_code=err.http_status)
+            if slot is not None:
+                slot.release()
+            return self._error_response(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
-            return StreamingResponse(self._sse(rid, parsed, chat), media_type="text/event-stream")
+            body = self._sse(rid, parsed, chat, slot)
+            # A client gone before the server starts the stream leaves the generator unstarted, so
+            # its finally never runs; releasing when the generator is collected covers that case.
+            weakref.finalize(body, slot.release)
+            return StreamingResponse(body, media_type="text/event-stream")
         text, finish, stats, n = "", None, None, 0
-        async for chunk in self._generate(parsed):
-            text += chunk["text"]
-            n += len(chunk["token_ids"])
-            finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
+        with slot:
+            async for chunk in self._generate(parsed):
+                text += chunk["text"]
+                n += len(chunk["token_ids"])
+                finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
         usage = {"prompt_tokens": (stats or {}).get("num_prompt_tokens", 0), "completion_tokens": n,
                  "total_tokens": (stats or {}).get("num_prompt_tokens", 0) + n}
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
@@ -79,7 +90,9 @@ class DLiteIngress:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
 
-    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, slot: TenantSlot) -> AsyncIterator[str]:
+        """The SSE body; it owns the tenant slot, released however the stream ends (a client
+        disconnect cancels or closes this generator, which runs the finally)."""
         try:
             async for chunk in self._generate(parsed):
                 delta = {"content": chunk["text"]} if chat else None
@@ -91,6 +104,8 @@ class DLiteIngress:
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
             err = as_serve_error(_unwrap(exc))
             yield f"data: {json.dumps(openai_error_body(err))}\n\n"
+        finally:
+            slot.release()
         yield "data: [DONE]\n\n"
 
     async def _json(self, request: Request) -> Any:
@@ -107,9 +122,12 @@ class DLiteIngress:
         try:
             return await coro_fn()
         except Exception as exc:  # noqa: BLE001
-            err = as_serve_error(_unwrap(exc))
-            self.metrics.error(err)
-            return JSONResponse(openai_error_body(err), status_code=err.http_status)
+            return self._error_response(exc)
+
+    def _error_response(self, exc: Exception) -> JSONResponse:
+        err = as_serve_error(_unwrap(exc))
+        self.metrics.error(err)
+        return JSONResponse(openai_error_body(err), status_code=err.http_status)
 
     @app.post("/v1/conversations")
     async def http_create_conversation(self, request: Request):
@@ -143,9 +161,11 @@ class DLiteIngress:
                              self.args.limits).prompt if body.get("messages") else []
             params = sampling(body, self.args.limits)
             text, finish, replica = "", None, None
-            async for chunk in self._conversation_turn(tenant, conversation_id, new, params, body.get("lease_seconds")):
-                text += chunk["text"]
-                finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
+            with self.tenant_limits.acquire(tenant):
+                async for chunk in self._conversation_turn(tenant, conversation_id, new, params,
+                                                           body.get("lease_seconds")):
+                    text += chunk["text"]
+                    finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
             return {"conversation_id": conversation_id, "message": {"role": "assistant", "content": text},
                     "finish_reason": finish, "replica": replica}
         return await self._http_call(go)
@@ -180,19 +200,19 @@ class DLiteIngress:
     # -- gRPC (method names = RPC names) --------------------------------------------------------
     async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):  # noqa: N802
         try:
-            self._grpc_tenant(grpc_context)
+            tenant = self._grpc_tenant(grpc_context)
             parsed = self._parse_grpc(request)
-            await self.worker.encode.remote(parsed.prompt)
+            slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
             return
-        try:
-            async for chunk in self._generate(parsed):
-                yield dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
-                                              finish_reason=chunk["finish_reason"] or "",
-                                              stats=_proto_stats(chunk["stats"]))
-        except Exception as exc:  # noqa: BLE001
-            yield self._grpc_error(grpc_context, exc)
+        with slot:  # a cancelled RPC closes this generator, which releases the slot
+            try:
+                await self.worker.encode.remote(parsed.prompt)
+                async for chunk in self._generate(parsed):
+                    yield _proto_chunk(chunk)
+            except Exception as exc:  # noqa: BLE001
+                yield self._grpc_error(grpc_context, exc)
 
     async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):  # noqa: N802
         stats = await self.worker.stats.remote()
@@ -229,13 +249,17 @@ class DLiteIngress:
             params = sampling({"max_tokens": request.max_tokens or None, "temperature": request.temperature,
                                "top_p": request.top_p or 1.0, **({"seed": request.seed} if request.seed else {})},
                               self.args.limits)
-            async for chunk in self._conversation_turn(tenant, request.conversation_id, new, params,
-                                                       request.lease_seconds or None):
-                yield dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
-                                              finish_reason=chunk["finish_reason"] or "",
-                                              stats=_proto_stats(chunk["stats"]))
+            slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
+            return
+        with slot:
+            try:
+                async for chunk in self._conversation_turn(tenant, request.conversation_id, new, params,
+                                                           request.lease_seconds or None):
+                    yield _proto_chunk(chunk)
+            except Exception as exc:  # noqa: BLE001
+                yield self._grpc_error(grpc_context, exc)
 
     def _grpc_tenant(self, context) -> str:
         metadata = dict(context.invocation_metadata()) if context is not None else {}
@@ -275,6 +299,11 @@ def _unwrap(exc: Exception) -> Exception:
 
 def _grpc_messages(messages) -> list[dict]:
     return [{"role": m.role, "content": m.content} for m in messages]
+
+
+def _proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:
+    return dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
+                                   finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]))
 
 
 def _proto_conversation(conv: dict) -> dlite_pb2.Conversation:
