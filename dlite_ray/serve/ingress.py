@@ -20,10 +20,21 @@ from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body
+from dlite_ray.serve.errors import as_serve_error, openai_error_body
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
-from dlite_ray.serve.requests import ParsedRequest, parse_chat, parse_completion, sampling
+from dlite_ray.serve.requests import (
+    ConversationTurn,
+    ParsedRequest,
+    decode_json_body,
+    parse_append,
+    parse_chat,
+    parse_completion,
+    parse_create_conversation,
+    parse_grpc_append,
+    parse_grpc_create,
+    parse_grpc_generate,
+)
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
 
 log = logging.getLogger(__name__)
@@ -109,13 +120,7 @@ class DLiteIngress:
         yield "data: [DONE]\n\n"
 
     async def _json(self, request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > self.args.limits.max_body_bytes:
-            raise PayloadTooLarge(f"body of {len(raw)} bytes exceeds {self.args.limits.max_body_bytes}")
-        try:
-            return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise as_serve_error(ValueError(f"the body is not UTF-8 JSON: {exc}")) from exc
+        return decode_json_body(await request.body(), self.args.limits)
 
     async def _http_call(self, coro_fn):
         """Run a JSON endpoint; typed errors become OpenAI error bodies."""
@@ -133,8 +138,7 @@ class DLiteIngress:
     async def http_create_conversation(self, request: Request):
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            body = await self._json(request)
-            messages = parse_chat({"messages": body.get("messages")}, self.args.limits).prompt
+            messages = parse_create_conversation(await self._json(request), self.args.limits)
             return await self.router.create.remote(tenant, messages)
         return await self._http_call(go)
 
@@ -156,36 +160,33 @@ class DLiteIngress:
     async def http_append_and_generate(self, conversation_id: str, request: Request):
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            body = await self._json(request)
-            new = parse_chat({"messages": body.get("messages") or [{"role": "user", "content": ""}]},
-                             self.args.limits).prompt if body.get("messages") else []
-            params = sampling(body, self.args.limits)
+            turn = parse_append(await self._json(request), self.args.limits)
             text, finish, replica = "", None, None
             with self.tenant_limits.acquire(tenant):
-                async for chunk in self._conversation_turn(tenant, conversation_id, new, params,
-                                                           body.get("lease_seconds")):
+                async for chunk in self._conversation_turn(tenant, conversation_id, turn):
                     text += chunk["text"]
                     finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
             return {"conversation_id": conversation_id, "message": {"role": "assistant", "content": text},
                     "finish_reason": finish, "replica": replica}
         return await self._http_call(go)
 
-    async def _conversation_turn(self, tenant: str, conversation_id: str, new_messages: list[dict], params,
-                                 lease_s: float | None) -> AsyncIterator[dict]:
+    async def _conversation_turn(self, tenant: str, conversation_id: str,
+                                 turn: ConversationTurn) -> AsyncIterator[dict]:
         """Claim the conversation, generate from its whole history, store the reply, pause.
         The history's KV and boundary features stay cached on the replica that made them;
         a miss re-prefills from the durable history (slower, never wrong)."""
-        conv = await self.router.begin_turn.remote(tenant, conversation_id, new_messages)
+        conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages)
         text, replica, done = "", None, False
         try:
-            async for chunk in self._generate(ParsedRequest(conv["messages"], params)):
+            async for chunk in self._generate(ParsedRequest(conv["messages"], turn.params)):
                 text += chunk["text"]
                 replica = chunk.get("replica") or replica
                 done = done or chunk["finished"]
                 yield chunk
         finally:
             if done:
-                await self.router.finish_turn.remote(tenant, conversation_id, conv["version"], text, replica, lease_s)
+                await self.router.finish_turn.remote(tenant, conversation_id, conv["version"], text, replica,
+                                                 turn.lease_s)
             else:
                 await self.router.abandon_turn.remote(tenant, conversation_id)
 
@@ -201,7 +202,7 @@ class DLiteIngress:
     async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):  # noqa: N802
         try:
             tenant = self._grpc_tenant(grpc_context)
-            parsed = self._parse_grpc(request)
+            parsed = parse_grpc_generate(request, self.args.limits)
             slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
@@ -221,7 +222,7 @@ class DLiteIngress:
     async def CreateConversation(self, request, grpc_context=None):  # noqa: N802
         try:
             tenant = self._grpc_tenant(grpc_context)
-            messages = parse_chat({"messages": _grpc_messages(request.messages)}, self.args.limits).prompt
+            messages = parse_grpc_create(request, self.args.limits)
             return _proto_conversation(await self.router.create.remote(tenant, messages))
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
@@ -244,19 +245,14 @@ class DLiteIngress:
     async def AppendAndGenerate(self, request, grpc_context=None):  # noqa: N802
         try:
             tenant = self._grpc_tenant(grpc_context)
-            new = parse_chat({"messages": _grpc_messages(request.messages)}, self.args.limits).prompt \
-                if request.messages else []
-            params = sampling({"max_tokens": request.max_tokens or None, "temperature": request.temperature,
-                               "top_p": request.top_p or 1.0, **({"seed": request.seed} if request.seed else {})},
-                              self.args.limits)
+            turn = parse_grpc_append(request, self.args.limits)
             slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
             return
         with slot:
             try:
-                async for chunk in self._conversation_turn(tenant, request.conversation_id, new, params,
-                                                           request.lease_seconds or None):
+                async for chunk in self._conversation_turn(tenant, request.conversation_id, turn):
                     yield _proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
@@ -273,18 +269,6 @@ class DLiteIngress:
             context.set_details(str(err))
         return empty
 
-    def _parse_grpc(self, request: dlite_pb2.GenerateRequest) -> ParsedRequest:
-        # proto3 scalars have no "unset": 0 max_tokens means the server default
-        body: dict[str, Any] = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
-                                "top_p": request.top_p or 1.0, "top_k": request.top_k}
-        if request.seed:
-            body["seed"] = request.seed
-        if request.messages:
-            body["messages"] = [{"role": m.role, "content": m.content} for m in request.messages]
-            return parse_chat(body, self.args.limits)
-        body["prompt"] = request.prompt
-        return parse_completion(body, self.args.limits)
-
     def _grpc_error(self, context, exc: Exception) -> dlite_pb2.GenerateChunk:
         """The one chunk a failed stream yields (a stream that returns without yielding
         reaches the client as OK)."""
@@ -295,10 +279,6 @@ def _unwrap(exc: Exception) -> Exception:
     """Ray wraps replica exceptions; find the typed cause for the status mapping."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, Exception) else exc
-
-
-def _grpc_messages(messages) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def _proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:

@@ -1,16 +1,24 @@
-"""Decode and validate requests (OpenAI JSON, gRPC messages) into a prompt + SamplingParams."""
+"""Decode and validate requests (OpenAI JSON, gRPC messages) into a prompt + SamplingParams.
+
+Every function here either returns a request the engine can run or raises a `ServeError`
+subclass (a client error): hostile input must never reach the engine, where one bad
+value could fail the whole batch's step.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.serve.config import LimitArgs
-from dlite_ray.serve.errors import BadRequest
+from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
 
 ROLES = ("system", "user", "assistant", "tool")
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # torch.Generator seeds are 64-bit
+TOP_K_MAX = (1 << 31) - 1  # top_k becomes an int64 tensor in the batch; gRPC carries int32
 TOOLS_PREAMBLE = ("You are an assistant that can call tools. When a tool is needed, answer with a call like "
                   "func_name(arg=value). Available tools (JSON schemas):\n")
 
@@ -20,6 +28,27 @@ class ParsedRequest:
     prompt: list[dict[str, str]] | str
     params: SamplingParams
     stream: bool = False
+
+
+@dataclass(slots=True)
+class ConversationTurn:
+    """One AppendAndGenerate: the new user/tool messages, sampling, the lease asked for."""
+
+    new_messages: list[dict[str, str]]
+    params: SamplingParams
+    lease_s: float | None = None
+
+
+def decode_json_body(raw: bytes, limits: LimitArgs) -> Any:
+    """An HTTP body: at most `max_body_bytes` of UTF-8 JSON."""
+    if len(raw) > limits.max_body_bytes:
+        raise PayloadTooLarge(f"body of {len(raw)} bytes exceeds {limits.max_body_bytes}")
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"the body is not UTF-8 JSON: {exc}") from exc
+    except RecursionError as exc:  # e.g. "[[[[..." nested deeper than the parser's stack
+        raise BadRequest("the body's JSON is nested too deeply") from exc
 
 
 def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
@@ -38,6 +67,7 @@ def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("'prompt' must be a non-empty string")
+    _text(prompt, "'prompt'")
     return ParsedRequest(prompt, sampling(body, limits), _bool(body.get("stream", False), "stream"))
 
 
@@ -53,10 +83,10 @@ def sampling(body: dict, limits: LimitArgs) -> SamplingParams:
     top_p = _number(body.get("top_p", 1.0), "top_p")
     top_k = body.get("top_k", 0) or 0
     seed = body.get("seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise BadRequest("seed must be an integer")
-    if not isinstance(top_k, int) or isinstance(top_k, bool):
-        raise BadRequest("top_k must be an integer")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not INT64_MIN <= seed <= INT64_MAX):
+        raise BadRequest(f"seed must be a 64-bit integer, got {seed!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k > TOP_K_MAX:
+        raise BadRequest(f"top_k must be an integer in [0, {TOP_K_MAX}], got {top_k!r}")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     except InvalidRequest as exc:
@@ -77,12 +107,28 @@ def _messages(raw: Any, limits: LimitArgs) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         if content is None and role == "assistant":
             content = ""
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-        if not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string")
-        out.append({"role": role, "content": content})
+        if isinstance(content, list):
+            content = _text_parts(content, i)
+        out.append({"role": role, "content": _text(content, f"messages[{i}].content")})
     return out
+
+
+def _text_parts(parts: list, i: int) -> str:
+    """OpenAI content parts: the text ones, concatenated (images and audio are not served)."""
+    texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
+    if not all(isinstance(t, str) for t in texts):
+        raise BadRequest(f"messages[{i}].content text parts need a string 'text'")
+    return "".join(texts)
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise BadRequest(f"{name} must be a string")
+    try:
+        value.encode("utf-8")  # JSON escapes can carry lone surrogates the tokenizer cannot take
+    except UnicodeEncodeError as exc:
+        raise BadRequest(f"{name} is not valid Unicode text: {exc.reason}") from exc
+    return value
 
 
 def _tools_message(tools: Any) -> dict[str, str]:
@@ -102,10 +148,73 @@ def _tools_message(tools: Any) -> dict[str, str]:
 def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BadRequest(f"{name} must be a number, got {value!r}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError as exc:  # an int too large for a float
+        raise BadRequest(f"{name} is out of range") from exc
+    if not math.isfinite(number):  # JSON parsers accept NaN and Infinity
+        raise BadRequest(f"{name} must be a finite number, got {value!r}")
+    return number
 
 
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"{name} must be true or false")
     return value
+
+
+def parse_create_conversation(body: Any, limits: LimitArgs) -> list[dict[str, str]]:
+    """POST /v1/conversations: the opening messages."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return _messages(body.get("messages"), limits)
+
+
+def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
+    """POST /v1/conversations/{id}/messages: new messages (optional), sampling, lease."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    raw = body.get("messages")
+    new = [] if raw is None or raw == [] else _messages(raw, limits)  # a turn may add nothing
+    lease = body.get("lease_seconds")
+    if lease is not None and (_number(lease, "lease_seconds") <= 0):
+        raise BadRequest("lease_seconds must be > 0")
+    return ConversationTurn(new, sampling(body, limits), None if lease is None else float(lease))
+
+
+# -- gRPC: proto3 scalars have no "unset", so 0 means "the server default" -----------------------
+
+def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
+    """A dlite.v1.GenerateRequest: chat messages if any, else the raw prompt."""
+    body = _grpc_sampling_body(request)
+    body["top_k"] = request.top_k
+    if request.messages:
+        body["messages"] = _grpc_messages(request.messages)
+        return parse_chat(body, limits)
+    body["prompt"] = request.prompt
+    return parse_completion(body, limits)
+
+
+def parse_grpc_create(request, limits: LimitArgs) -> list[dict[str, str]]:
+    """A dlite.v1.CreateConversationRequest: the opening messages."""
+    return _messages(_grpc_messages(request.messages), limits)
+
+
+def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
+    """A dlite.v1.AppendRequest: new messages (optional), sampling, lease."""
+    new = _messages(_grpc_messages(request.messages), limits) if request.messages else []
+    if request.lease_seconds < 0:
+        raise BadRequest(f"lease_seconds must be >= 0 (0 = the server default), got {request.lease_seconds}")
+    return ConversationTurn(new, sampling(_grpc_sampling_body(request), limits), request.lease_seconds or None)
+
+
+def _grpc_sampling_body(request) -> dict:
+    body: dict[str, Any] = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
+                            "top_p": request.top_p or 1.0}
+    if request.seed:
+        body["seed"] = request.seed
+    return body
+
+
+def _grpc_messages(messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in messages]

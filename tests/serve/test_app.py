@@ -185,3 +185,21 @@ def test_a_tool_loop_over_grpc_conversations(serve_app, tiny_serving_model):
     assert second[-1].stats.cached_prompt_tokens > 0  # the history's KV was reused
     assert [m.role for m in stored.messages] == ["user", "assistant", "tool", "assistant"]
     assert stored.version == 2 and stored.state == "paused"
+
+
+def test_conversations_over_http_and_malformed_bodies(serve_app):
+    created = requests.post(f"{URL}/v1/conversations", json={"messages": MESSAGES}, headers=AUTH_A, timeout=60)
+    assert created.status_code == 200, created.text
+    cid = created.json()["id"]
+    turn = requests.post(f"{URL}/v1/conversations/{cid}/messages", json={"max_tokens": 4, "lease_seconds": 30},
+                         headers=AUTH_A, timeout=120)
+    assert turn.status_code == 200 and turn.json()["finish_reason"], turn.text
+    stored = requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=60).json()
+    assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
+    # bodies that are JSON but not objects, or carry odd fields, are client errors, never 500s
+    for path, body in (("/v1/conversations", [1, 2]), (f"/v1/conversations/{cid}/messages", "hi"),
+                       (f"/v1/conversations/{cid}/messages", {"lease_seconds": "soon"}),
+                       ("/v1/chat/completions", {"messages": MESSAGES, "seed": 1 << 64})):
+        r = requests.post(f"{URL}{path}", json=body, headers=AUTH_A, timeout=60)
+        assert r.status_code == 400, (path, body, r.text)
+    assert requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=60).json()["version"] == 1
