@@ -33,7 +33,8 @@ from dlite_ray.serve.requests import (
 )
 
 LIMITS = LimitArgs(max_tokens_cap=64, default_max_tokens=16, max_body_bytes=4096, max_messages=8)
-FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# database=None: no .hypothesis/ folder in the checkout; a failure prints the seed that replays it
+FUZZ = settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 # -- strategies ----------------------------------------------------------------------------------
 # Text with lone surrogates too: JSON's \ud800 escapes produce them, and tokenizers reject them.
