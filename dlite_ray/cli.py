@@ -1,4 +1,4 @@
-"""dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, train)."""
+"""dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, bench-serve, loadtest, train)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,24 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--limit", type=int, default=4)
     sv.add_argument("--max-new-tokens", type=int, default=96)
     sv.add_argument("--repeats", type=int, default=1)
+
+    lt = sub.add_parser("loadtest", help="N concurrent clients (one-shot chats, tool loops) against the Serve app")
+    lt.add_argument("--clients", type=int, default=4)
+    lt.add_argument("--duration-s", type=float, default=60.0, help="start no new request after this")
+    lt.add_argument("--max-tokens", type=int, default=32)
+    lt.add_argument("--turns", type=int, default=3, help="assistant replies per tool loop")
+    lt.add_argument("--one-shot-fraction", type=float, default=0.5)
+    lt.add_argument("--sampled-fraction", type=float, default=0.2, help="one-shot requests at T > 0 (not verified)")
+    lt.add_argument("--target", default=None, help="the served target, also the reference (default: embedded)")
+    lt.add_argument("--draft", default="default")
+    lt.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    lt.add_argument("--tenants", type=int, default=4, help="API keys of the app this command starts")
+    lt.add_argument("--connect", default=None, help="host of a running app (loopback) instead of starting one")
+    lt.add_argument("--http-port", type=int, default=8000)
+    lt.add_argument("--grpc-port", type=int, default=9000)
+    lt.add_argument("--api-keys", default=None, help="with --connect: comma list of keys the clients use")
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--out", default="runs/loadtest")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
     from dlite_ray.training.cli_args import add_train_args  # noqa: PLC0415 - keeps --help fast enough
@@ -143,6 +161,14 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
+def cmd_loadtest(args) -> int:
+    from dlite_ray.bench.loadtest import run
+
+    report = run(args)
+    return 0 if not (report["unexplained_errors"] or report["lost_conversations"]
+                     or report["greedy"]["mismatches"]) else 1
+
+
 def cmd_train(args) -> int:
     from dlite_ray.training.pipeline import run  # noqa: PLC0415
 
@@ -151,7 +177,8 @@ def cmd_train(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
-            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "train": cmd_train}
+            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "loadtest": cmd_loadtest,
+            "train": cmd_train}
 
 if __name__ == "__main__":
     sys.exit(main())
