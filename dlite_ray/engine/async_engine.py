@@ -100,6 +100,7 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue
+            self._snapshot_leases()  # before the final chunks go out: a caller then sees its lease
             for out in outputs:
                 seq = out.seq
                 chunk = Chunk(out.new_token_ids, seq.is_finished, seq.finish_reason,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.ingress import DLiteIngressDeployment
@@ -21,7 +22,10 @@ def build_app(args: AppArgs | dict) -> Application:
     if gpu and args.accelerator_type:
         bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
     worker_options: dict = {"max_ongoing_requests": args.max_ongoing_requests,
-                            "ray_actor_options": {"num_cpus": args.replica_num_cpus}}
+                            "ray_actor_options": {"num_cpus": args.replica_num_cpus},
+                            "request_router_config": RequestRouterConfig(
+                                request_router_class="dlite_ray.serve.affinity_router:ConversationAffinityRouter",
+                                request_routing_stats_period_s=args.routing_stats_period_s)}
     if disaggregated:
         # bundle 0: the target (the replica itself); bundle 1: its DraftWorker
         worker_options["placement_group_bundles"] = [dict(bundle), dict(bundle)]
@@ -34,5 +38,5 @@ def build_app(args: AppArgs | dict) -> Application:
     else:
         worker_options["num_replicas"] = args.num_replicas
     worker = TargetWorkerDeployment.options(**worker_options).bind(args)
-    router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(args)
+    router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, args)
     return DLiteIngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, router, args)

@@ -57,4 +57,6 @@ class AppArgs(BaseModel):
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config for TargetWorker pairs")
     max_ongoing_requests: int = Field(64, ge=1, description="requests a TargetWorker takes at once")
     replica_num_cpus: float = Field(0, ge=0, description="logical CPUs per replica (0 on small CPU machines)")
+    routing_stats_period_s: float = Field(2.0, gt=0, description="how often TargetWorker replicas publish free KV "
+                                          "and held conversations to the affinity router")
     accelerator_type: str | None = Field(None, description="e.g. H800: pin pairs to that GPU type")

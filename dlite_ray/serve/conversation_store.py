@@ -117,6 +117,16 @@ class ConversationStore:
                                    "WHERE replica = ? AND state = ?", (EVICTED, replica, PAUSED))
             return cur.rowcount
 
+    def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:
+        """`replica` gave up these paused conversations' KV (memory pressure)."""
+        with self._lock:
+            n = 0
+            for cid in conversation_ids:
+                cur = self._db.execute("UPDATE conversations SET state = ?, replica = NULL, lease_deadline = NULL "
+                                       "WHERE id = ? AND replica = ? AND state = ?", (EVICTED, cid, replica, PAUSED))
+                n += cur.rowcount
+            return n
+
     def _load(self, tenant: str, conversation_id: str) -> Conversation:
         row = self._db.execute("SELECT id, tenant, version, state, replica, lease_deadline, messages "
                                "FROM conversations WHERE id = ?", (conversation_id,)).fetchone()

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.errors import as_serve_error, openai_error_body
@@ -161,13 +162,14 @@ class DLiteIngress:
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
             turn = parse_append(await self._json(request), self.args.limits)
-            text, finish, replica = "", None, None
+            text, finish, replica, stats = "", None, None, None
             with self.tenant_limits.acquire(tenant):
                 async for chunk in self._conversation_turn(tenant, conversation_id, turn):
                     text += chunk["text"]
                     finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
+                    stats = chunk["stats"] or stats
             return {"conversation_id": conversation_id, "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish, "replica": replica}
+                    "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
         return await self._http_call(go)
 
     async def _conversation_turn(self, tenant: str, conversation_id: str,
@@ -176,30 +178,39 @@ class DLiteIngress:
         The history's KV and boundary features stay cached on the replica that made them;
         a miss re-prefills from the durable history (slower, never wrong)."""
         conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages)
-        text, replica, done = "", None, False
+        text, replica, evicted, done = "", None, [], False
         try:
-            async for chunk in self._generate(ParsedRequest(conv["messages"], turn.params)):
+            # to the replica that holds this conversation's KV (the affinity router falls
+            # back to load when it is gone); the reply's KV stays pinned there (the lease)
+            async for chunk in self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
+                                              conversation=conversation_id):
                 text += chunk["text"]
                 replica = chunk.get("replica") or replica
+                evicted = chunk.get("evicted") or evicted
                 done = done or chunk["finished"]
                 yield chunk
         finally:
             if done:
                 await self.router.finish_turn.remote(tenant, conversation_id, conv["version"], text, replica,
                                                  turn.lease_s)
+                if evicted:
+                    await self.router.mark_evicted.remote(evicted, replica)
             else:
                 await self.router.abandon_turn.remote(tenant, conversation_id)
 
-    async def _generate(self, parsed: ParsedRequest) -> AsyncIterator[dict]:
+    async def _generate(self, parsed: ParsedRequest, route_to: str | None = None,
+                        conversation: str | None = None) -> AsyncIterator[dict]:
         params = {f: getattr(parsed.params, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
         started = time.perf_counter()
-        async for chunk in self.worker.options(stream=True).generate.remote(parsed.prompt, params):
+        stream = self.worker.options(stream=True).generate.remote(
+            parsed.prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(parsed.prompt))
+        async for chunk in stream:
             if chunk["finished"]:
                 self.metrics.finished(chunk["stats"] or {}, time.perf_counter() - started)
             yield chunk
 
     # -- gRPC (method names = RPC names) --------------------------------------------------------
-    async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):  # noqa: N802
+    async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
             parsed = parse_grpc_generate(request, self.args.limits)
@@ -215,11 +226,11 @@ class DLiteIngress:
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
 
-    async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):  # noqa: N802
+    async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):
         stats = await self.worker.stats.remote()
         return dlite_pb2.ServerStats(json=json.dumps({"worker": stats, "ingress": self.metrics.snapshot()}))
 
-    async def CreateConversation(self, request, grpc_context=None):  # noqa: N802
+    async def CreateConversation(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
             messages = parse_grpc_create(request, self.args.limits)
@@ -227,14 +238,14 @@ class DLiteIngress:
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
 
-    async def GetConversation(self, request, grpc_context=None):  # noqa: N802
+    async def GetConversation(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
             return _proto_conversation(await self.router.get.remote(tenant, request.conversation_id))
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
 
-    async def DeleteConversation(self, request, grpc_context=None):  # noqa: N802
+    async def DeleteConversation(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
             await self.router.delete.remote(tenant, request.conversation_id)
@@ -242,7 +253,7 @@ class DLiteIngress:
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.DeleteConversationResponse())
 
-    async def AppendAndGenerate(self, request, grpc_context=None):  # noqa: N802
+    async def AppendAndGenerate(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
             turn = parse_grpc_append(request, self.args.limits)

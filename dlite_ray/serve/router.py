@@ -1,8 +1,9 @@
 """ConversationRouter: one replica that owns the durable conversation registry.
 
 The ingress asks it to create, read, claim (begin a turn), complete and delete
-conversations; it expires leases in the background. Histories live in SQLite, so a
-restarted router finds every conversation again.
+conversations; it expires leases in the background and tells the holding TargetWorker
+replica to unpin the conversation's KV. Histories live in SQLite, so a restarted router
+finds every conversation again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import logging
 from dataclasses import asdict
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.conversation_store import ConversationStore
@@ -21,7 +23,8 @@ EXPIRY_PERIOD_S = 5.0
 
 
 class ConversationRouter:
-    def __init__(self, args: AppArgs):
+    def __init__(self, worker: DeploymentHandle | None, args: AppArgs):
+        self.worker = worker
         self.args = args.conversations
         self.store = ConversationStore(self.args.store_path)
         self._expiry = None
@@ -35,6 +38,15 @@ class ConversationRouter:
             await asyncio.sleep(EXPIRY_PERIOD_S)
             for conv in self.store.expire():
                 log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
+                await self._release(conv.id, conv.replica)
+
+    async def _release(self, conversation_id: str, replica: str | None) -> None:
+        if self.worker is None or replica is None:
+            return
+        try:
+            await self.worker.release_lease.remote(conversation_id, route_to=replica)
+        except Exception as exc:  # noqa: BLE001 - a dead replica holds nothing any more
+            log.warning("could not release %s on %s: %s", conversation_id, replica, exc)
 
     async def create(self, tenant: str, messages: list[dict]) -> dict:
         self._ensure_expiry_task()
@@ -56,8 +68,13 @@ class ConversationRouter:
         self.store.abandon_turn(tenant, conversation_id)
 
     async def delete(self, tenant: str, conversation_id: str) -> bool:
-        self.store.delete(tenant, conversation_id)
+        conv = self.store.delete(tenant, conversation_id)
+        await self._release(conv.id, conv.replica)
         return True
+
+    async def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:
+        """A replica gave up these conversations' KV under memory pressure."""
+        return self.store.mark_evicted(conversation_ids, replica)
 
 
 ConversationRouterDeployment = serve.deployment(ConversationRouter, name="ConversationRouter", num_replicas=1)

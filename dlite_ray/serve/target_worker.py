@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import AsyncIterator
 
 from ray import serve
 
@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 def build_engine(args: EngineArgs) -> DLiteEngine:
     """The replica's engine: the draft in-process, or behind a DraftLink to its own actor."""
-    from transformers import AutoTokenizer  # noqa: PLC0415
+    from transformers import AutoTokenizer
 
-    from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+    from dlite_ray.runtime.model_store import default_model_dir
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
     target_path = Path(args.target) if args.target else default_model_dir()
@@ -58,25 +58,47 @@ class TargetWorker:
             self.replica_id = "local"
         log.info("target worker ready (draft: %s)", type(self.engine.draft).__name__ if self.engine.draft else "none")
 
-    async def generate(self, prompt, params: dict) -> AsyncIterator[dict]:
-        """Stream {token_ids, text, finished, finish_reason, stats} chunks for one request."""
+    async def generate(self, prompt, params: dict, route_to: str | None = None, conversation: str | None = None,
+                       prefix_key: str | None = None) -> AsyncIterator[dict]:
+        """Stream {token_ids, text, finished, finish_reason, stats} chunks for one request.
+
+        route_to / conversation / prefix_key steer the ConversationAffinityRouter; a
+        conversation's KV stays pinned here after the reply (its lease), until
+        `release_lease`. The last chunk names this replica and any conversations whose
+        KV it had to give up under memory pressure."""
         sampling = SamplingParams(**params)
         decoded = 0
         tokens: list[int] = []
-        async for chunk in self.async_engine.generate(prompt, sampling):
+        async for chunk in self.async_engine.generate(prompt, sampling, lease=conversation):
             tokens += chunk.token_ids
             visible = [t for t in tokens if t not in self.engine.eos_ids]
             text = self.engine.tokenizer.decode(visible, skip_special_tokens=True)
-            yield {"token_ids": chunk.token_ids, "text": text[decoded:], "finished": chunk.finished,
-                   "finish_reason": chunk.finish_reason, "stats": chunk.stats,
-                   "replica": self.replica_id if chunk.finished else None}
+            out = {"token_ids": chunk.token_ids, "text": text[decoded:], "finished": chunk.finished,
+                   "finish_reason": chunk.finish_reason, "stats": chunk.stats, "replica": None}
+            if chunk.finished:
+                out.update(replica=self.replica_id, evicted=self.async_engine.take_evicted_leases())
+            yield out
             decoded = len(text)
+
+    async def release_lease(self, conversation: str, route_to: str | None = None) -> str:
+        """Unpin a conversation's KV here (lease ended or conversation deleted); harmless
+        on a replica that does not hold it."""
+        self.async_engine.release_lease(conversation)
+        return self.replica_id
+
+    def record_routing_stats(self) -> dict:
+        """Published to the ConversationAffinityRouter every few seconds."""
+        stats = self.async_engine.stats()
+        return {"kv_free_fraction": 1 - stats["kv_blocks_used"] / max(1, stats["kv_blocks_total"]),
+                "running": stats["running"] + stats["waiting"], "leases": list(self.async_engine.held_leases)}
 
     async def encode(self, prompt) -> list[int]:
         return self.engine.encode(prompt)
 
-    async def stats(self) -> dict:
+    async def stats(self, route_to: str | None = None) -> dict:
+        """This replica's engine figures (`route_to` asks for a given replica)."""
         out = self.async_engine.stats()
+        out["replica"] = self.replica_id
         draft = self.engine.draft
         out["draft_connected"] = bool(getattr(draft, "connected", draft is not None))
         out["draft_restarts"] = getattr(draft, "restarts", 0)

@@ -68,3 +68,28 @@ def test_memory_pressure_evicts_a_lease_reports_it_and_keeps_outputs(tiny_target
     evicted = engine.take_evicted_leases()
     assert evicted and set(evicted) | set(engine.held_leases) == {"conv-0", "conv-1", "conv-2"}
     assert engine.take_evicted_leases() == []
+
+
+def test_async_engine_pins_and_releases_between_steps(tiny_target, tiny_draft):
+    import asyncio
+    import time
+
+    from dlite_ray.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(make_engine(tiny_target, tiny_draft, block_size=4))
+
+    async def turn():
+        async for _ in engine.generate(_prompt(0), SamplingParams(max_new_tokens=NEW), lease="conv-a"):
+            pass
+
+    try:
+        asyncio.run(turn())
+        # visible as soon as the reply is: a router asking right away must see the pin
+        assert engine.held_leases == ("conv-a",) and engine.stats()["held_leases"] == 1
+        deadline = time.time() + 5
+        engine.release_lease("conv-a")
+        while engine.held_leases and time.time() < deadline:
+            time.sleep(0.05)
+        assert engine.held_leases == ()
+    finally:
+        engine.shutdown()
