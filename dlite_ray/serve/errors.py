@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from dlite_ray.engine.sequence import InvalidRequest
 
@@ -37,11 +38,20 @@ class Overloaded(ServeError):
     http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
 
 
+class ReplicaUnavailable(ServeError):
+    """The replica serving the request died or was drained mid-request: retry (a
+    conversation's next turn re-prefills elsewhere from its durable history)."""
+
+    http_status, grpc_code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
+
+
 def as_serve_error(exc: Exception) -> ServeError:
     if isinstance(exc, ServeError):
         return exc
     if isinstance(exc, (InvalidRequest, ValueError)):
         return BadRequest(str(exc))
+    if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
+        return ReplicaUnavailable("the serving replica went away mid-request; retry")
     return ServeError("internal error")
 
 

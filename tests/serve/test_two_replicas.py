@@ -149,3 +149,77 @@ def test_restarting_the_router_keeps_every_conversation(two_replicas, library):
     assert reply["message"]["content"] == _expected(library, history + [TOOL])
     stored = requests.get(f"{URL}/{conv}", headers=AUTH_A, timeout=30).json()
     assert stored["version"] == 2 and len(stored["messages"]) == 4
+
+
+def test_a_replica_killed_mid_stream_gives_a_clean_error_and_the_next_turn_recovers(two_replicas, library):
+    import grpc
+    import ray
+
+    from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
+    from tests.serve.conftest import GRPC_PORT
+
+    replicas = _replica_ids()
+    conv, history = _create("Write a long story about a lighthouse keeper.")
+    metadata = (("application", APP), ("authorization", f"Bearer {KEYS['tenant-a']}"))
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        stream = stub.AppendAndGenerate(dlite_pb2.AppendRequest(conversation_id=conv, max_tokens=1000),
+                                        metadata=metadata, timeout=120)
+        next(stream)  # generating on some replica
+        stats = [two_replicas.stats.remote(route_to=r).result() for r in replicas]
+        busy = [s["replica"] for s in stats if s["running"] > 0]
+        assert len(busy) == 1
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#TargetWorker#{busy[0]}", namespace="serve"))
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "retry" in err.value.details()
+    stored = requests.get(f"{URL}/{conv}", headers=AUTH_A, timeout=30).json()
+    assert stored["state"] == "evicted" and [m["role"] for m in stored["messages"]] == ["user"]
+    reply = _retry_turn(conv, [])
+    assert reply["replica"] != busy[0]
+    assert reply["message"]["content"] == _expected(library, history)
+
+
+def _replica_ids(timeout: float = 180) -> list[str]:
+    """Both replicas' ids, once Serve has replaced any replica an earlier test killed."""
+    import ray
+    from ray import serve
+
+    deadline = time.time() + timeout
+    while serve.status().applications[APP].deployments["TargetWorker"].replica_states.get("RUNNING", 0) != 2:
+        assert time.time() < deadline, "Serve never restored two replicas"
+        time.sleep(1)
+    prefix = f"SERVE_REPLICA::{APP}#TargetWorker#"
+    return [a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)]
+
+
+def test_shutdown_drains_requests_in_flight(two_replicas, library):
+    """Last in this module: deleting the application lets running streams finish."""
+    import json
+    import threading
+
+    from ray import serve
+
+    _replica_ids()
+    messages = [{"role": "user", "content": "Count slowly from one to fifty."}]
+    body = {"messages": messages, "max_tokens": 200, "stream": True}
+    with requests.post(f"http://127.0.0.1:{HTTP_PORT}{PREFIX}/v1/chat/completions", json=body, headers=AUTH_A,
+                       stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)
+        deleting = threading.Thread(target=serve.delete, args=(APP,))
+        deleting.start()
+        text = json.loads(first.decode()[len("data: "):])["choices"][0]["delta"].get("content", "")
+        finish = None
+        for line in lines:
+            if not line or line == b"data: [DONE]":
+                continue
+            choice = json.loads(line.decode()[len("data: "):])["choices"][0]
+            text += choice["delta"].get("content", "")
+            finish = choice.get("finish_reason") or finish
+        deleting.join(timeout=120)
+    expected = library.generate(messages, max_new_tokens=200)[0]
+    assert finish == expected.finish_reason and text == expected.text
