@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--out", default="runs/loadtest")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
-    from dlite_ray.training.cli_args import add_train_args  # noqa: PLC0415 - keeps --help fast enough
+    from dlite_ray.training.cli_args import add_train_args
 
     add_train_args(tr)
 
@@ -98,7 +98,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _engine(args):
-    from dlite_ray.engine.engine import DLiteEngine  # noqa: PLC0415
+    from dlite_ray.engine.engine import DLiteEngine
 
     draft = None if args.draft == "none" else args.draft
     return DLiteEngine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype,
@@ -107,7 +107,7 @@ def _engine(args):
 
 
 def cmd_generate(args) -> int:
-    from dlite_ray.engine.sequence import InvalidRequest  # noqa: PLC0415
+    from dlite_ray.engine.sequence import InvalidRequest
 
     try:
         if args.messages_json:
@@ -134,28 +134,28 @@ def cmd_generate(args) -> int:
 
 
 def cmd_fetch_model(args) -> int:
-    from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+    from dlite_ray.runtime.model_store import default_model_dir
 
     print(default_model_dir())
     return 0
 
 
 def cmd_bench_runtime(args) -> int:
-    from dlite_ray.bench.runtime_bench import run  # noqa: PLC0415
+    from dlite_ray.bench.runtime_bench import run
 
     run([int(c) for c in args.contexts.split(",")], args.new_tokens, args.repeats, args.dtype)
     return 0
 
 
 def cmd_bench(args) -> int:
-    from dlite_ray.bench.runner import run  # noqa: PLC0415
+    from dlite_ray.bench.runner import run
 
     run(args)
     return 0
 
 
 def cmd_bench_serve(args) -> int:
-    from dlite_ray.bench.serve_bench import run  # noqa: PLC0415
+    from dlite_ray.bench.serve_bench import run
 
     run(args)
     return 0
@@ -170,7 +170,7 @@ def cmd_loadtest(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from dlite_ray.training.pipeline import run  # noqa: PLC0415
+    from dlite_ray.training.pipeline import run
 
     run(args)
     return 0

@@ -19,8 +19,8 @@ def _markdown(results: dict, plots: list[str]) -> str:
     lines = ["# dlite-ray benchmark", "",
              f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.",
              f"Command args: `{ {k: v for k, v in results['args'].items() if k != 'func'} }`", "",
-             "Decode tokens/s (median over prompts; tokens after the first / time from first to last token), "
-             "mean accept length tau = E[A + 1] in parentheses.", "",
+             ("Decode tokens/s (median over prompts; tokens after the first / time from first to last token), "
+              "mean accept length tau = E[A + 1] in parentheses."), "",
              "| workload | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for w, per in results["workloads"].items():
         cells = []
@@ -39,10 +39,10 @@ def _markdown(results: dict, plots: list[str]) -> str:
 
 
 def _plots(results: dict, out: Path) -> list[str]:
-    import matplotlib  # noqa: PLC0415
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     made = []
     names = list(results["methods"])
@@ -117,7 +117,7 @@ def _split(rows: list[dict]) -> dict:
 def _save(fig, out: Path, name: str) -> str:
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import matplotlib.pyplot as plt
 
     plt.close(fig)
     return name

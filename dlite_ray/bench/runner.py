@@ -78,9 +78,9 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
     methods: dict = {}
     hf = None
     if any(n.startswith("hf") for n in names):
-        from transformers import AutoModelForCausalLM  # noqa: PLC0415
+        from transformers import AutoModelForCausalLM
 
-        from dlite_ray.runtime.model_store import default_model_dir  # noqa: PLC0415
+        from dlite_ray.runtime.model_store import default_model_dir
 
         hf = AutoModelForCausalLM.from_pretrained(args.target or default_model_dir(), dtype=DTYPES[args.dtype]).eval()
     for name in names:

@@ -49,7 +49,7 @@ def hf_tokens_per_second(model, ids: list[int], new_tokens: int) -> float:
 
 
 def run(contexts: list[int], new_tokens: int, repeats: int, dtype: str) -> dict:
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+    from transformers import AutoModelForCausalLM
 
     engine = DLiteEngine.from_pretrained(None, draft=None, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=DTYPES[dtype]).eval()

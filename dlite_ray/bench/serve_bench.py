@@ -14,7 +14,7 @@ HTTP_PORT, GRPC_PORT = 18100, 19100
 
 
 def _grpc_run(stub, ids_text: list[dict], max_tokens: int) -> tuple[float, int]:
-    from dlite_ray.serve.proto import dlite_pb2  # noqa: PLC0415
+    from dlite_ray.serve.proto import dlite_pb2
 
     req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in ids_text], max_tokens=max_tokens)
     times, count, first_count = [], 0, 0
@@ -28,13 +28,13 @@ def _grpc_run(stub, ids_text: list[dict], max_tokens: int) -> tuple[float, int]:
 
 
 def run(args) -> dict:
-    import grpc  # noqa: PLC0415
-    import ray  # noqa: PLC0415
-    from ray import serve  # noqa: PLC0415
+    import grpc
+    import ray
+    from ray import serve
 
-    from dlite_ray.serve.app import build_app  # noqa: PLC0415
-    from dlite_ray.serve.config import AppArgs, EngineArgs  # noqa: PLC0415
-    from dlite_ray.serve.proto import dlite_pb2_grpc  # noqa: PLC0415
+    from dlite_ray.serve.app import build_app
+    from dlite_ray.serve.config import AppArgs, EngineArgs
+    from dlite_ray.serve.proto import dlite_pb2_grpc
 
     items = [i for w in args.workload.split(",") for i in load_workload(w, args.limit)]
     library = DLiteEngine.from_pretrained(None, "default", enable_prefix_cache=False)

@@ -17,8 +17,14 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlite_ray.training.prompts import CLASS_DOCS, _bfcl_single_turn, _read_jsonl, _tool_system, bfcl_data_dir, \
-    build_prompt_set
+from dlite_ray.training.prompts import (
+    CLASS_DOCS,
+    _bfcl_single_turn,
+    _read_jsonl,
+    _tool_system,
+    bfcl_data_dir,
+    build_prompt_set,
+)
 
 WORKLOADS = ("dev", "chat", "tool-use", "agentic", "long-context")
 HELD_OUT_CHAT = [

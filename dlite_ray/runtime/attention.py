@@ -141,7 +141,7 @@ class FlashAttnBackend:
     block_major = True
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_with_kvcache  # noqa: PLC0415 - optional dependency
+        from flash_attn import flash_attn_with_kvcache
 
         self._kernel = flash_attn_with_kvcache
 

@@ -48,7 +48,7 @@ class ModelConfig:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict; a clear error for anything else."""
         model_type = hf.get("model_type")
         if model_type not in _ARCH_FLAGS:

@@ -63,7 +63,7 @@ class DraftConfig:
         return self.block_size - 1
 
     @classmethod
-    def from_dict(cls, hf: dict[str, Any]) -> "DraftConfig":
+    def from_dict(cls, hf: dict[str, Any]) -> DraftConfig:
         dc = hf.get("dlite_config")
         if not isinstance(dc, dict):
             raise DraftConfigError("draft config.json has no 'dlite_config' dict")
@@ -94,7 +94,7 @@ class DraftConfig:
 
     @classmethod
     def for_target(cls, target_hf: dict[str, Any], num_layers: int, num_slots: int, rank: int,
-                   mask_token_id: int, block_size: int = 8, anchor_group_size: int = 1) -> "DraftConfig":
+                   mask_token_id: int, block_size: int = 8, anchor_group_size: int = 1) -> DraftConfig:
         """A fresh draft config for a target (layers chosen by the public formula)."""
         num_target_layers = target_hf["num_hidden_layers"]
         hf = dict(target_hf)

@@ -7,7 +7,7 @@ over a paged cache (target) or bidirectional attention over one block (draft).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -76,7 +76,7 @@ def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Dequantise through transformers' GGUF reader (needs `gguf`), then take its weights."""
-    from transformers import AutoModelForCausalLM  # noqa: PLC0415 - heavy, only for GGUF
+    from transformers import AutoModelForCausalLM
 
     log.info("reading GGUF %s through transformers (dequantises to float32)", path)
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
@@ -87,14 +87,14 @@ def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def load_embedding(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Embedding:
     """Only the target's token embedding (what a draft process needs), without the rest."""
-    from safetensors import safe_open  # noqa: PLC0415
+    from safetensors import safe_open
 
     path = Path(path)
     if path.is_dir():
         for f in sorted(path.glob("*.safetensors")):
             with safe_open(f, framework="pt") as st:
                 for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
-                    if key in st.keys():
+                    if key in st.keys():  # noqa: SIM118 - safe_open has no __contains__
                         return nn.Embedding.from_pretrained(st.get_tensor(key).to(dtype), freeze=True)
         raise CheckpointError(f"{path} has no embed_tokens weight")
     return nn.Embedding.from_pretrained(load_target(path, dtype).embed_tokens.weight.detach(), freeze=True)

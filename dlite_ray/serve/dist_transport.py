@@ -94,7 +94,7 @@ def serve_draft(draft: DLiteDraftModel, device: torch.device) -> None:
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     while True:
         dist.recv(header, src=TARGET_RANK)
-        op, n, g, s, d, k, sampled, vocab = header.tolist()
+        op, n, g, s, d, k, sampled, _vocab = header.tolist()
         if op == OP_SHUTDOWN:
             break
         groups = _recv((n, g), torch.int64, device)

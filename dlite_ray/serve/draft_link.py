@@ -9,6 +9,7 @@ link restarts the actor and reconnects behind the scenes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -94,7 +95,7 @@ class DraftLink:
             init_pair(address, TARGET_RANK, self._backend, self._timeout)  # blocks until rank 1 joins
             self._transport = DistributedDraftTransport(self.info, self._vocab, self._device)
             log.info("draft worker connected over %s at %s", self._backend, address)
-        except Exception:  # noqa: BLE001 - keep serving plainly; try again later
+        except Exception:
             log.exception("could not connect the draft worker; retrying in 5 s")
             time.sleep(5)
             with self._lock:
@@ -118,13 +119,11 @@ class DraftLink:
         old, self._transport = self._transport, None
         if old is not None:
             old.healthy = False
-        import torch.distributed as dist  # noqa: PLC0415
+        import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
         if self._actor is not None:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(self._actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
             self._actor = None

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlite_ray.runtime.sampling import RowSampling, probabilities, sample, verify_greedy, verify_match, \
-    verify_rejection
+from dlite_ray.runtime.sampling import RowSampling, probabilities, sample, verify_greedy, verify_match, verify_rejection
 from tests.helpers import chi2_pvalue
 
 V, K, N = 8, 3, 40000
@@ -46,8 +45,8 @@ def _chi2_pvalue(samples: torch.Tensor, probs: torch.Tensor) -> float:
     return chi2_pvalue(samples.numpy(), probs.double().numpy())
 
 
-@pytest.mark.parametrize("knobs", [dict(), dict(temperature=0.7), dict(top_k=4), dict(top_p=0.8),
-                                   dict(temperature=1.3, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("knobs", [{}, {"temperature": 0.7}, {"top_k": 4}, {"top_p": 0.8},
+                                   {"temperature": 1.3, "top_k": 5, "top_p": 0.9}])
 def test_first_token_follows_target(knobs):
     emitted, _, p, _ = _run(verify_rejection, **knobs)
     assert _chi2_pvalue(emitted[:, 0], p[0]) > 1e-3
