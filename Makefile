@@ -21,6 +21,7 @@ model: $(STAMP)
 	$(BIN)/dlite-ray fetch-model
 
 test: setup
+	$(BIN)/ruff check dlite_ray tests
 	$(BIN)/python -m pytest -q -x --durations=15
 
 serve: setup
