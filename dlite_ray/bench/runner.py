@@ -48,7 +48,7 @@ def run(args) -> dict:
         # no prefix cache here: every level pays its own prefill, as fresh requests would
         engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, enable_prefix_cache=False)
                    for name, draft in (("dlite", dlite.draft), ("ar", None))}
-        results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens)
+        results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
     out = Path(args.out)
     write_report(results, out)
     _print_table(results)
@@ -150,22 +150,27 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]], levels: list[int],
-                        max_new_tokens: int) -> dict:
+                        max_new_tokens: int, repeats: int = 1) -> dict:
     """N requests in flight through the continuous-batching engine: throughput (generated
-    tokens / wall time) and mean request latency, each engine on the same requests."""
+    tokens / wall time) and mean request latency, each engine on the same requests,
+    engines alternating, medians over `repeats`."""
     out: dict = {}
     for n in levels:
         batch = [items[i % len(items)] for i in range(n)]
-        out[str(n)] = {}
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
         for name, engine in engines.items():
             engine.generate(batch[:1], max_new_tokens=4)  # warm-up
-            start = time.perf_counter()
-            results = engine.generate(batch, max_new_tokens=max_new_tokens)
-            wall = time.perf_counter() - start
-            tokens = sum(len(r.token_ids) for r in results)
-            latency = statistics.mean(r.stats["ttft"] + r.stats["decode_wall_time"] for r in results)
-            out[str(n)][name] = {"tokens_per_second": tokens / wall, "mean_latency_s": latency,
-                                 "mean_accept_length": statistics.mean(r.stats["mean_accept_length"] for r in results)}
+        for rep in range(repeats):
+            order = list(engines.items()) if rep % 2 == 0 else list(reversed(engines.items()))
+            for name, engine in order:
+                start = time.perf_counter()
+                results = engine.generate(batch, max_new_tokens=max_new_tokens)
+                wall = time.perf_counter() - start
+                runs[name].append({
+                    "tokens_per_second": sum(len(r.token_ids) for r in results) / wall,
+                    "mean_latency_s": statistics.mean(r.stats["ttft"] + r.stats["decode_wall_time"] for r in results),
+                    "mean_accept_length": statistics.mean(r.stats["mean_accept_length"] for r in results)})
+        out[str(n)] = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         ratio = out[str(n)]["dlite"]["tokens_per_second"] / out[str(n)]["ar"]["tokens_per_second"]
         out[str(n)]["dlite/ar"] = ratio
         print(f"concurrency {n:>3}: dlite {out[str(n)]['dlite']['tokens_per_second']:.1f} tok/s, "
