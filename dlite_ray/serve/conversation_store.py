@@ -117,6 +117,13 @@ class ConversationStore:
                                    "WHERE replica = ? AND state = ?", (EVICTED, replica, PAUSED))
             return cur.rowcount
 
+    def holding_replicas(self) -> set[str]:
+        """Replicas that paused conversations are pinned on."""
+        with self._lock:
+            rows = self._db.execute("SELECT DISTINCT replica FROM conversations WHERE state = ? AND replica IS NOT NULL",
+                                    (PAUSED,)).fetchall()
+        return {r for (r,) in rows}
+
     def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:
         """`replica` gave up these paused conversations' KV (memory pressure)."""
         with self._lock:

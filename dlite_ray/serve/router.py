@@ -12,6 +12,7 @@ import asyncio
 import logging
 from dataclasses import asdict
 
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -39,6 +40,17 @@ class ConversationRouter:
             for conv in self.store.expire():
                 log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
                 await self._release(conv.id, conv.replica)
+            self._evict_gone_replicas()
+
+    def _evict_gone_replicas(self) -> None:
+        """A replica that died, or was drained on scale-down, holds nothing any more: its
+        conversations are evicted and re-prefill wherever their next turn lands."""
+        live = live_replicas("TargetWorker")
+        if live is None:
+            return
+        for replica in self.store.holding_replicas() - live:
+            n = self.store.evict_replica(replica)
+            log.info("replica %s is gone: %d conversations evicted (histories kept)", replica, n)
 
     async def _release(self, conversation_id: str, replica: str | None) -> None:
         if self.worker is None or replica is None:
@@ -75,6 +87,17 @@ class ConversationRouter:
     async def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:
         """A replica gave up these conversations' KV under memory pressure."""
         return self.store.mark_evicted(conversation_ids, replica)
+
+
+def live_replicas(deployment: str) -> set[str] | None:
+    """Unique ids of this application's running replicas of `deployment` (None outside Serve)."""
+    try:
+        app = serve.get_replica_context().app_name
+    except Exception:  # noqa: BLE001 - not inside a Serve replica
+        return None
+    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
 
 
 ConversationRouterDeployment = serve.deployment(ConversationRouter, name="ConversationRouter", num_replicas=1)

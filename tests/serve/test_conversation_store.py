@@ -68,3 +68,14 @@ def test_delete_removes_history(tmp_path):
     store.delete("a", conv.id)
     with pytest.raises(ConversationNotFound):
         store.get("a", conv.id)
+
+
+def test_holding_replicas_lists_only_paused_holders(tmp_path):
+    store = ConversationStore(tmp_path / "c.sqlite3")
+    a = store.create("t", [{"role": "user", "content": "hi"}])
+    b = store.create("t", [{"role": "user", "content": "yo"}])
+    store.begin_turn("t", a.id, [])
+    store.finish_turn("t", a.id, 1, "hello", "replica-1", 60)
+    store.begin_turn("t", b.id, [])  # generating: not pinned anywhere yet
+    assert store.holding_replicas() == {"replica-1"}
+    assert store.evict_replica("replica-1") == 1 and store.holding_replicas() == set()

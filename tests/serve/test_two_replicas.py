@@ -129,6 +129,10 @@ def test_killing_the_holding_replica_loses_nothing(two_replicas, library):
     first = _turn(conv, [])
     history.append(first["message"])
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#TargetWorker#{first['replica']}", namespace="serve"))
+    deadline = time.time() + 30  # the router notices the replica is gone and evicts what it held
+    while requests.get(f"{URL}/{conv}", headers=AUTH_A, timeout=30).json()["state"] != "evicted":
+        assert time.time() < deadline, "the router never noticed the dead replica"
+        time.sleep(0.5)
     reply = _retry_turn(conv, [TOOL])
     assert reply["replica"] != first["replica"]
     assert reply["message"]["content"] == _expected(library, history + [TOOL])
