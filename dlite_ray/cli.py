@@ -1,4 +1,5 @@
-"""dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, bench-serve, loadtest, train)."""
+"""dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, bench-serve, bench-followup, loadtest,
+train)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--limit", type=int, default=4)
     sv.add_argument("--max-new-tokens", type=int, default=96)
     sv.add_argument("--repeats", type=int, default=1)
+
+    fu = sub.add_parser("bench-followup", help="follow-up turn latency over gRPC: KV held by its lease vs evicted")
+    fu.add_argument("--limit", type=int, default=3, help="agentic histories (~3-4K tokens each)")
+    fu.add_argument("--max-tokens", type=int, default=16)
+    fu.add_argument("--kv-tokens", type=int, default=12288,
+                    help="KV pool: room for the held history and one more, so the filler must evict")
 
     lt = sub.add_parser("loadtest", help="N concurrent clients (one-shot chats, tool loops) against the Serve app")
     lt.add_argument("--clients", type=int, default=4)
@@ -154,6 +161,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_followup(args) -> int:
+    from dlite_ray.bench.followup_bench import run
+
+    run(args)
+    return 0
+
+
 def cmd_bench_serve(args) -> int:
     from dlite_ray.bench.serve_bench import run
 
@@ -177,7 +191,7 @@ def cmd_train(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
-            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "loadtest": cmd_loadtest,
+            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup, "loadtest": cmd_loadtest,
             "train": cmd_train}
 
 if __name__ == "__main__":
