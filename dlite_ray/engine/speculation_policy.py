@@ -58,8 +58,11 @@ class SpeculationPolicy:
             return caps
         ks, pays = self._allocate(seqs, caps, prefill_tokens)
         speculate = pays
-        if self.rates is not None and prefill_tokens == 0:  # steps with prefill say little about decoding
-            speculate = self.rates.should_speculate(len(seqs), pays)
+        if self.rates is not None:
+            # steps with prefill chunks are not measured (they say little about decoding),
+            # but they follow what the measured steps found
+            speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0
+                         else self.rates.verdict(len(seqs), pays))
         if speculate and not any(ks):
             ks = [min(cap, 1) for cap in caps]  # measuring speculation the model would not try
         chosen = ks if speculate else [0] * len(seqs)

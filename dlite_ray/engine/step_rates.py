@@ -51,6 +51,14 @@ class StepRates:
     def rate(self, batch: int, speculated: bool) -> float:
         return self._rates.get((batch_bucket(batch), speculated), _Rate()).value
 
+    def verdict(self, batch: int, model_says: bool) -> bool:
+        """The measured choice without probing (for steps that are not measured, e.g. with
+        prefill chunks in them): the faster mode once both are known, else the model's."""
+        spec, plain = (self._rates.get((batch_bucket(batch), mode), _Rate()) for mode in (True, False))
+        if spec.samples < self.MIN_SAMPLES or plain.samples < self.MIN_SAMPLES:
+            return model_says
+        return spec.value >= plain.value
+
     def should_speculate(self, batch: int, model_says: bool) -> bool:
         b = batch_bucket(batch)
         self._steps[b] += 1

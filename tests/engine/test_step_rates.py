@@ -60,8 +60,11 @@ def test_policy_follows_the_measurements_not_the_cost_model():
         policy.observe_step(4, ks, 30 if speculated else 4, 0.5 if speculated else 0.04)
         chosen.append(speculated)
     assert sum(chosen[20:]) <= 80 / SpeculationPolicy(7).rates.EXPLORE_EVERY + 1
-    # with prefill in the step the model decides alone (nothing measured there)
-    assert max(policy.choose(seqs, [7] * 4, prefill_tokens=64)) > 0
+    # steps with prefill follow the measured verdict (and are not probes)
+    assert all(max(policy.choose(seqs, [7] * 4, prefill_tokens=64)) == 0 for _ in range(40))
+    fresh = SpeculationPolicy(max_draft_tokens=7)
+    fresh.cost = policy.cost
+    assert max(fresh.choose(seqs, [7] * 4, prefill_tokens=64)) > 0  # nothing measured yet: the model decides
 
 
 def test_non_adaptive_policy_always_drafts_the_cap():
