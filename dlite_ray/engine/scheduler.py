@@ -111,7 +111,11 @@ class Scheduler:
 
     def _plan_prefill(self, seq: Sequence, budget: int, out: Schedule) -> int:
         chunk = min(seq.num_to_prefill, budget)
-        if chunk > 0 and self.blocks.can_hold(seq.block_table, seq.num_computed + chunk):
+        # the next chunk may need memory that idle cache (or, last, a newer request) holds
+        while chunk > 0 and not self.blocks.can_hold(seq.block_table, seq.num_computed + chunk) \
+                and self._make_room(seq, out):
+            pass
+        if chunk > 0 and seq in self.running and self.blocks.can_hold(seq.block_table, seq.num_computed + chunk):
             self.blocks.ensure_capacity(seq.block_table, seq.num_computed + chunk)
             out.prefills.append((seq, chunk))
             budget -= chunk

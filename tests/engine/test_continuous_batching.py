@@ -155,3 +155,18 @@ def test_draft_side_state_does_not_grow_with_context(tiny_target, tiny_draft):
     seen.clear()
     engine.generate([(PROMPTS[1] * 10)[:400]], max_new_tokens=8)
     assert short == set(seen) and len(short) == 1
+
+
+def test_a_chunked_prefill_evicts_idle_cache_between_chunks(tiny_target, tiny_draft):
+    """A long prompt prefilled chunk by chunk needs, after a few chunks, the blocks an
+    earlier request's boundary still holds: they are evicted, not reported as exhaustion."""
+    rng = random.Random(3)
+    first, second = [rng.randrange(3, 128) for _ in range(40)], [rng.randrange(3, 128) for _ in range(60)]
+    ar = make_engine(tiny_target, enable_prefix_cache=False)
+    expected = ar.generate(second, max_new_tokens=12, ignore_eos=True)[0].token_ids
+    engine = make_engine(tiny_target, tiny_draft, max_kv_tokens=96, block_size=4,
+                         scheduler=SchedulerConfig(max_batch_tokens=16))
+    engine.generate(first, max_new_tokens=12, ignore_eos=True)
+    assert len(engine.boundaries) == 1  # its KV stays cached, taking half the pool
+    assert engine.generate(second, max_new_tokens=12, ignore_eos=True)[0].token_ids == expected
+    assert len(engine.boundaries) == 1  # the first one made room, the second one is kept
