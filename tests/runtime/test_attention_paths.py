@@ -1,0 +1,42 @@
+"""The SDPA backend's three ways to read a context (one view, run-by-run views, one
+gather) give the same attention as the same tokens on consecutive blocks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dlite_ray.runtime.attention import MAX_VIEW_RUNS, SdpaBackend, build_attention_metadata
+from dlite_ray.runtime.kv_cache import PagedKVCache
+
+BS, HKV, GROUP, DH, CTX = 4, 2, 2, 8, 40
+
+
+def _attend_all(table: list[int], q, k, v) -> torch.Tensor:
+    """Prefill CTX - 1 tokens, then one decode token; returns both outputs concatenated."""
+    cache = PagedKVCache(SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1), 64, BS, torch.float32, "cpu")
+    backend = SdpaBackend()
+    meta = build_attention_metadata([CTX - 1], [CTX - 1], [table], BS, torch.device("cpu"))
+    first = backend.attend(cache, 0, meta, q[:-1], k[:-1], v[:-1])
+    meta = build_attention_metadata([1], [CTX], [table], BS, torch.device("cpu"))
+    return torch.cat([first, backend.attend(cache, 0, meta, q[-1:], k[-1:], v[-1:])])
+
+
+@pytest.mark.parametrize("table", [
+    [40, 41, 42, 3, 4, 5, 6, 50, 51, 52],  # 3 runs: decode reads views, prefill gathers
+    [9, 1, 30, 17, 3, 60, 25, 11, 44, 7],  # 10 runs (> MAX_VIEW_RUNS): everything gathers
+])
+def test_fragmented_contexts_attend_like_consecutive_ones(table):
+    torch.manual_seed(0)
+    q = torch.randn(CTX, HKV * GROUP, DH)
+    k, v = torch.randn(CTX, HKV, DH), torch.randn(CTX, HKV, DH)
+    consecutive = _attend_all(list(range(10)), q, k, v)
+    torch.testing.assert_close(_attend_all(table, q, k, v), consecutive, rtol=1e-5, atol=1e-5)
+
+
+def test_the_run_table_covers_both_paths():
+    runs = build_attention_metadata([1], [CTX], [[9, 1, 30, 17, 3, 60, 25, 11, 44, 7]], BS,
+                                    torch.device("cpu")).spans[0]
+    assert len(runs.kv_runs) > MAX_VIEW_RUNS and runs.kv_slots.numel() == CTX
