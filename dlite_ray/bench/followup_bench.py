@@ -15,6 +15,7 @@ item, so the next item starts from the same free pool.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -23,7 +24,6 @@ from tqdm import tqdm
 from dlite_ray.bench.workloads import TOOL_RESULT, load_workload
 
 EXPIRY_WAIT_S = 30.0
-FILLERS = 3  # x ~4K tokens: enough to push a released ~4K history out of a 12K pool
 
 
 def run(args) -> dict:
@@ -41,7 +41,9 @@ def run(args) -> dict:
         stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
         for i, item in enumerate(tqdm(items, desc="follow-up turns", unit="item")):
             held = _held_turn(stub, metadata, _as_session(item.messages, f"held-{i}"), args.max_tokens)
-            fillers = [_as_session(item.messages, f"filler-{i}-{j}") for j in range(FILLERS)]
+            # enough same-sized traffic to cycle the whole pool: the released history cannot survive it
+            n_fillers = math.ceil(args.kv_tokens / held["prompt_tokens"]) + 1
+            fillers = [_as_session(item.messages, f"filler-{i}-{j}") for j in range(n_fillers)]
             evicted = _evicted_turn(stub, metadata, _as_session(item.messages, f"evicted-{i}"), fillers,
                                     args.max_tokens)
             for conv in (held.pop("conversation"), evicted.pop("conversation")):
