@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._held: tuple[str, ...] = ()
-        self._evicted: list[str] = []
+        self._evicted: deque[str] = deque()  # filled by the engine thread, drained by callers
         self._thread = threading.Thread(target=self._loop, name="dlite-engine", daemon=True)
         self._thread.start()
 
@@ -75,7 +76,9 @@ class AsyncEngine:
 
     def take_evicted_leases(self) -> list[str]:
         """Leases given up under memory pressure since the last call."""
-        out, self._evicted = self._evicted, []
+        out = []
+        while self._evicted:
+            out.append(self._evicted.popleft())
         return out
 
     def release_lease(self, lease: str) -> None:
@@ -109,7 +112,7 @@ class AsyncEngine:
 
     def _snapshot_leases(self) -> None:
         self._held = tuple(self.engine.held_leases)
-        self._evicted = self._evicted + self.engine.take_evicted_leases()
+        self._evicted.extend(self.engine.take_evicted_leases())
 
     def _drain_inbox(self, block: bool) -> None:
         while True:

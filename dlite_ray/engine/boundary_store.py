@@ -74,6 +74,8 @@ class BoundaryStore:
                                       pivot_features, list(block_table[:used]), list(block_hashes), lease)
         if lease is not None:
             self._leases[lease] = key
+            if lease in self.evicted_leases:  # its older boundary went, this newer one is pinned
+                self.evicted_leases.remove(lease)
         while len(self._entries) - len(self._leases) > self.capacity and self._drop_oldest(leased=False):
             pass
 

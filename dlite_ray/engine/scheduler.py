@@ -110,12 +110,15 @@ class Scheduler:
         return out
 
     def _plan_prefill(self, seq: Sequence, budget: int, out: Schedule) -> int:
+        if seq not in self.running:
+            return budget  # preempted earlier in this step
         chunk = min(seq.num_to_prefill, budget)
-        # the next chunk may need memory that idle cache (or, last, a newer request) holds
-        while chunk > 0 and not self.blocks.can_hold(seq.block_table, seq.num_computed + chunk) \
-                and self._make_room(seq, out):
+        # The next chunk may need memory that idle cache holds; it does not preempt (running
+        # requests free memory as they finish, and preempting here could hit a sequence
+        # already planned in this step).
+        while chunk > 0 and not self.blocks.can_hold(seq.block_table, seq.num_computed + chunk) and self._evict():
             pass
-        if chunk > 0 and seq in self.running and self.blocks.can_hold(seq.block_table, seq.num_computed + chunk):
+        if chunk > 0 and self.blocks.can_hold(seq.block_table, seq.num_computed + chunk):
             self.blocks.ensure_capacity(seq.block_table, seq.num_computed + chunk)
             out.prefills.append((seq, chunk))
             budget -= chunk

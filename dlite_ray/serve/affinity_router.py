@@ -24,11 +24,15 @@ MIN_FREE_KV = 0.1
 
 
 def rank_replicas(replicas: Sequence[Any], route_to: str | None = None, conversation: str | None = None,
-                  prefix_key: str | None = None) -> list[list[Any]]:
-    """Ranks of replicas, most preferred first (each replica appears once)."""
+                  prefix_key: str | None = None, strict: bool = False) -> list[list[Any]]:
+    """Ranks of replicas, most preferred first (each replica appears once). `strict`: only
+    the `route_to` replica while it exists (a call that means nothing elsewhere, e.g. a
+    lease release, waits for it instead of falling through to another replica)."""
     if not replicas:
         return []
     first = [r for r in replicas if r.replica_id.unique_id == route_to]
+    if strict and first:
+        return [first]
     if not first and conversation is not None:
         first = [r for r in replicas if conversation in _stats(r).get("leases", ())][:1]
     roomy = [r for r in replicas if _stats(r).get("kv_free_fraction", 1.0) >= MIN_FREE_KV]
@@ -59,4 +63,4 @@ class ConversationAffinityRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
         return rank_replicas(candidate_replicas, kwargs.get("route_to"), kwargs.get("conversation"),
-                             kwargs.get("prefix_key"))
+                             kwargs.get("prefix_key"), kwargs.get("strict", False))

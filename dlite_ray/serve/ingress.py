@@ -91,10 +91,13 @@ class DLiteIngress:
             return StreamingResponse(body, media_type="text/event-stream")
         text, finish, stats, n = "", None, None, 0
         with slot:
-            async for chunk in self._generate(parsed):
-                text += chunk["text"]
-                n += len(chunk["token_ids"])
-                finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
+            try:
+                async for chunk in self._generate(parsed):
+                    text += chunk["text"]
+                    n += len(chunk["token_ids"])
+                    finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
+            except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
+                return self._error_response(exc)
         usage = {"prompt_tokens": (stats or {}).get("num_prompt_tokens", 0), "completion_tokens": n,
                  "total_tokens": (stats or {}).get("num_prompt_tokens", 0) + n}
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
@@ -193,6 +196,7 @@ class DLiteIngress:
             if done:
                 await self.router.finish_turn.remote(tenant, conversation_id, conv["version"], text, replica,
                                                  turn.lease_s)
+                evicted = [c for c in evicted if c != conversation_id]  # this reply pinned it again
                 if evicted:
                     await self.router.mark_evicted.remote(evicted, replica)
             else:

@@ -31,21 +31,24 @@ class ConversationRouter:
         self._expiry = None
 
     def _ensure_expiry_task(self) -> None:
-        if self._expiry is None:
+        if self._expiry is None or self._expiry.done():
             self._expiry = asyncio.get_running_loop().create_task(self._expire_forever())
 
     async def _expire_forever(self) -> None:
         while True:
             await asyncio.sleep(EXPIRY_PERIOD_S)
-            for conv in self.store.expire():
-                log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
-                await self._release(conv.id, conv.replica)
-            self._evict_gone_replicas()
+            try:
+                for conv in self.store.expire():
+                    log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
+                    await self._release(conv.id, conv.replica)
+                await self._evict_gone_replicas()
+            except Exception:  # one bad round must not stop expiry for good
+                log.exception("lease expiry round failed; retrying next period")
 
-    def _evict_gone_replicas(self) -> None:
+    async def _evict_gone_replicas(self) -> None:
         """A replica that died, or was drained on scale-down, holds nothing any more: its
         conversations are evicted and re-prefill wherever their next turn lands."""
-        live = live_replicas("TargetWorker")
+        live = await asyncio.to_thread(live_replicas, "TargetWorker")  # a GCS call: off the event loop
         if live is None:
             return
         for replica in self.store.holding_replicas() - live:
@@ -56,7 +59,7 @@ class ConversationRouter:
         if self.worker is None or replica is None:
             return
         try:
-            await self.worker.release_lease.remote(conversation_id, route_to=replica)
+            await self.worker.release_lease.remote(conversation_id, route_to=replica, strict=True)
         except Exception as exc:  # noqa: BLE001 - a dead replica holds nothing any more
             log.warning("could not release %s on %s: %s", conversation_id, replica, exc)
 
@@ -74,10 +77,16 @@ class ConversationRouter:
     async def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
                           lease_s: float | None) -> dict:
         lease = min(lease_s or self.args.default_lease_s, self.args.max_lease_s)
-        return asdict(self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease))
+        previous = self.store.get(tenant, conversation_id).replica
+        conv = self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease)
+        if previous is not None and previous != replica:  # the turn moved: unpin the old copy
+            await self._release(conversation_id, previous)
+        return asdict(conv)
 
     async def abandon_turn(self, tenant: str, conversation_id: str) -> None:
+        previous = self.store.get(tenant, conversation_id).replica
         self.store.abandon_turn(tenant, conversation_id)
+        await self._release(conversation_id, previous)
 
     async def delete(self, tenant: str, conversation_id: str) -> bool:
         conv = self.store.delete(tenant, conversation_id)

@@ -80,7 +80,7 @@ class TargetWorker:
             yield out
             decoded = len(text)
 
-    async def release_lease(self, conversation: str, route_to: str | None = None) -> str:
+    async def release_lease(self, conversation: str, route_to: str | None = None, strict: bool = True) -> str:
         """Unpin a conversation's KV here (lease ended or conversation deleted); harmless
         on a replica that does not hold it."""
         self.async_engine.release_lease(conversation)

@@ -42,3 +42,9 @@ def test_full_replicas_go_last():
         assert rank_replicas([full, roomy], prefix_key=key) == [[roomy], [full]]
     # ... but a conversation still goes home, even to a full replica
     assert rank_replicas([full, roomy], route_to="full") == [[full], [roomy]]
+
+
+def test_strict_calls_wait_for_their_replica_while_it_exists():
+    a, b = _replica("a"), _replica("b")
+    assert rank_replicas([a, b], route_to="b", strict=True) == [[b]]
+    assert rank_replicas([a, b], route_to="gone", strict=True) == [[a, b]]  # nothing to wait for
