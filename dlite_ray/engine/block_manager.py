@@ -102,11 +102,13 @@ class BlockManager:
         return blocks, hashes
 
     def register_full_blocks(self, table: list[int], hashes: list[int], tokens: list[int], num_committed: int) -> None:
-        """Publish every full block of committed tokens not published yet (extends `hashes`)."""
+        """Publish every full block of committed tokens not published yet (extends `hashes`).
+        Only blocks whose tokens are all known: KV may run past `tokens` when a request
+        stopped inside a round (accepted drafts after its EOS are computed, not kept)."""
         if not self.enable_prefix_cache:
             return
         bs = self.block_size
-        for i in range(len(hashes), num_committed // bs):
+        for i in range(len(hashes), min(num_committed, len(tokens)) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
             h = chain_hash(hashes[-1] if hashes else None, chunk)
             hashes.append(h)

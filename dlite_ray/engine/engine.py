@@ -206,6 +206,11 @@ class DLiteEngine:
         self._by_id.pop(seq.request_id, None)
         lease = self._lease_of.pop(seq.request_id, None)
         if self.boundaries is not None and seq.finish_reason != "abort":
+            if seq.num_computed > len(seq.token_ids) - 1:
+                # stopped inside a round: drop the KV of drafts after the stop; the pivot
+                # features were for a later position, so the boundary keeps KV only
+                self.runner.commit(seq, len(seq.token_ids) - 1)
+                seq.pivot_features = None
             self.boundaries.save(seq.token_ids, seq.num_computed, seq.pivot_features, seq.block_table,
                                  seq.block_hashes, self.target_fingerprint, self.draft_fingerprint, lease)
         self.runner.release(seq)

@@ -64,6 +64,8 @@ class SpecDecoder:
         now = time.perf_counter()
         for i, seq in enumerate(decodes):
             a, out = accepted_l[i], outs[len(schedule.prefills) + i]
+            # tokens first: committing publishes full blocks, hashed by the tokens they hold
+            emitted[seq] = seq.append_tokens(drafts[i][:a] + [next_l[i]], self.eos_ids)
             self.runner.commit(seq, seq.num_computed + a + 1)
             seq.pivot_features = out.taps[a] if out.taps is not None else None
             st = seq.stats
@@ -75,7 +77,6 @@ class SpecDecoder:
             st.verify_time += t.elapsed
             st.decode_wall_time = now - st.first_token_time
             st.last_token_time = now
-            emitted[seq] = seq.append_tokens(drafts[i][:a] + [next_l[i]], self.eos_ids)
         if decodes and not schedule.prefills:
             self.policy.observe_step(len(decodes), ks, sum(accepted_l) + len(decodes),
                                      time.perf_counter() - step_started)

@@ -93,3 +93,24 @@ def test_async_engine_pins_and_releases_between_steps(tiny_target, tiny_draft):
         assert engine.held_leases == ()
     finally:
         engine.shutdown()
+
+
+def test_a_speculated_reply_is_pinned_and_its_blocks_cached(tiny_target):
+    """With an oracle draft whole rounds are accepted. The lease pins the reply, and a
+    follow-up turn finds every full block of prompt + reply in the prefix cache: blocks are
+    hashed with the tokens they hold (they once were hashed before the round's accepted
+    drafts were appended, and never matched)."""
+    from dlite_ray.bench.oracle import OracleDraftTransport
+
+    prompt = _prompt(1)
+    ar = make_engine(tiny_target, enable_prefix_cache=False)
+    reference = ar.generate(prompt, max_new_tokens=40, ignore_eos=True)[0].token_ids
+    engine = make_engine(tiny_target, OracleDraftTransport([prompt + reference]), block_size=4)
+    seq = engine.add_request(prompt, SamplingParams(max_new_tokens=10, ignore_eos=True), lease="conv-a")
+    while not seq.is_finished:
+        engine.step()
+    assert seq.output_ids == reference[:10] and max(seq.stats.accept_lengths) > 2
+    assert engine.held_leases == ["conv-a"]
+    history = list(seq.token_ids) + [5, 6, 7]
+    follow = engine.generate(history, max_new_tokens=2, ignore_eos=True)[0]
+    assert follow.stats["cached_prompt_tokens"] >= (len(seq.token_ids) - 1) // 4 * 4 - 1
