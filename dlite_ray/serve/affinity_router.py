@@ -6,7 +6,8 @@ registry) and `conversation` (its id) as keyword arguments; replicas also publis
 conversations they hold through `record_routing_stats`, which covers a registry that
 has not heard yet. Requests without a holder go to a replica chosen by a stable hash of
 their prompt prefix (so shared system prompts and tool schemas hit the same prefix
-cache), among replicas that still have KV room; Serve then picks the shortest queue
+cache), among replicas that still have KV room and are not far busier than the least
+busy one; Serve then picks the shortest queue
 inside each rank, and falls through the ranks when a replica is full.
 """
 
@@ -21,6 +22,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 # Below this fraction of free KV blocks a replica is only used when nothing roomier is.
 MIN_FREE_KV = 0.1
+# Prefix affinity yields to load: a replica running this many more requests than the least
+# busy one is not preferred (a shared system prompt must not pile a fleet onto one replica).
+MAX_EXTRA_RUNNING = 4
 
 
 def rank_replicas(replicas: Sequence[Any], route_to: str | None = None, conversation: str | None = None,
@@ -37,7 +41,9 @@ def rank_replicas(replicas: Sequence[Any], route_to: str | None = None, conversa
         first = [r for r in replicas if conversation in _stats(r).get("leases", ())][:1]
     roomy = [r for r in replicas if _stats(r).get("kv_free_fraction", 1.0) >= MIN_FREE_KV]
     if not first and prefix_key is not None and roomy:
-        first = [max(roomy, key=lambda r: _affinity(prefix_key, r.replica_id.unique_id))]
+        least = min(_stats(r).get("running", 0) for r in roomy)
+        fair = [r for r in roomy if _stats(r).get("running", 0) <= least + MAX_EXTRA_RUNNING]
+        first = [max(fair, key=lambda r: _affinity(prefix_key, r.replica_id.unique_id))]
     rest = [r for r in roomy if r not in first]
     tight = [r for r in replicas if r not in first and r not in rest]
     return [rank for rank in (first, rest, tight) if rank]

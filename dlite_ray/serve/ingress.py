@@ -180,6 +180,10 @@ class DLiteIngress:
         """Claim the conversation, generate from its whole history, store the reply, pause.
         The history's KV and boundary features stay cached on the replica that made them;
         a miss re-prefills from the durable history (slower, never wrong)."""
+        # A history that could never be served (over the context) is refused before anything
+        # is appended, so a client's retry does not pile up copies of the same messages.
+        current = await self.router.get.remote(tenant, conversation_id)
+        await self.worker.encode.remote(current["messages"] + turn.new_messages)
         conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages)
         text, replica, evicted, done = "", None, [], False
         try:

@@ -48,3 +48,13 @@ def test_strict_calls_wait_for_their_replica_while_it_exists():
     a, b = _replica("a"), _replica("b")
     assert rank_replicas([a, b], route_to="b", strict=True) == [[b]]
     assert rank_replicas([a, b], route_to="gone", strict=True) == [[a, b]]  # nothing to wait for
+
+
+def test_prefix_affinity_yields_to_load():
+    busy_key = next(f"k{i}" for i in range(100)
+                    if rank_replicas([_replica("a"), _replica("b")], prefix_key=f"k{i}")[0][0].replica_id.unique_id == "a")
+    a, b = _replica("a"), _replica("b")
+    a.routing_stats["running"], b.routing_stats["running"] = 9, 1
+    assert rank_replicas([a, b], prefix_key=busy_key)[0] == [b]  # a is preferred by hash but far busier
+    a.routing_stats["running"] = 3
+    assert rank_replicas([a, b], prefix_key=busy_key)[0] == [a]

@@ -109,6 +109,17 @@ def test_lease_expiry_unpins_and_the_next_turn_reprefills_exactly(two_replicas, 
     assert reply["message"]["content"] == _expected(library, history + [TOOL])
 
 
+def test_an_unservable_turn_is_refused_before_anything_is_appended(two_replicas):
+    conv, _ = _create("Hello.")
+    too_long = {"role": "user", "content": "word " * 2000}  # beyond the tiny model's 512 positions
+    for _ in range(2):  # a client retrying does not pile up copies
+        r = requests.post(f"{URL}/{conv}/messages", json={"messages": [too_long], "max_tokens": NEW},
+                          headers=AUTH_A, timeout=120)
+        assert r.status_code == 400, r.text
+    stored = requests.get(f"{URL}/{conv}", headers=AUTH_A, timeout=30).json()
+    assert [m["role"] for m in stored["messages"]] == ["user"] and stored["state"] != "generating"
+
+
 def _retry_turn(conv: str, new: list[dict], attempts: int = 5) -> dict:
     """A turn right after a fault may meet the dying process once; the client retries."""
     for _ in range(attempts):
