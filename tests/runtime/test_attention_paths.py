@@ -36,7 +36,7 @@ def test_fragmented_contexts_attend_like_consecutive_ones(table):
     torch.testing.assert_close(_attend_all(table, q, k, v), consecutive, rtol=1e-5, atol=1e-5)
 
 
-def test_the_run_table_covers_both_paths():
-    runs = build_attention_metadata([1], [CTX], [[9, 1, 30, 17, 3, 60, 25, 11, 44, 7]], BS,
+def test_the_scattered_table_is_past_the_view_limit():
+    span = build_attention_metadata([1], [CTX], [[9, 1, 30, 17, 3, 60, 25, 11, 44, 7]], BS,
                                     torch.device("cpu")).spans[0]
-    assert len(runs.kv_runs) > MAX_VIEW_RUNS and runs.kv_slots.numel() == CTX
+    assert len(span.kv_runs) > MAX_VIEW_RUNS  # so the second case above exercises the gather
