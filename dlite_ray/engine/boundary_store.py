@@ -112,16 +112,16 @@ class BoundaryStore:
     def _drop_oldest(self, leased: bool) -> bool:
         for key, entry in self._entries.items():
             if (entry.lease is not None) == leased:
-                if entry.lease is not None:
-                    self.evicted_leases.append(entry.lease)
                 self._drop(key)
                 return True
         return False
 
     def _drop(self, key: int) -> None:
+        """Forget an entry; a leased one is reported (its conversation must re-prefill)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
             if entry.lease is not None:
                 self._leases.pop(entry.lease, None)
+                self.evicted_leases.append(entry.lease)
             for b in entry.blocks:
                 self.blocks.release(b)
