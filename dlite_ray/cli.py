@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--out", default="runs/loadtest")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
-    from dlite_ray.training.cli_args import add_train_args
+    from dlite_ray.training.cli_args import add_train_args  # keeps --help fast enough
 
     add_train_args(tr)
 

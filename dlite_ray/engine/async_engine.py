@@ -99,7 +99,7 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as exc:
+            except Exception as exc:  # a failed step fails its requests, not the loop
                 log.exception("engine step failed")
                 self._fail_all(exc)
                 continue

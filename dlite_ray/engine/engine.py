@@ -84,7 +84,7 @@ class DLiteEngine:
                         **engine_kwargs) -> DLiteEngine:
         """target: HF directory or .gguf (None = embedded SmolLM2-135M-Instruct);
         draft: checkpoint directory, "default" (the shipped draft) or None (plain decoding)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy
 
         from dlite_ray.runtime.model_store import default_model_dir
 

@@ -156,7 +156,7 @@ class FlashAttnBackend:
     block_major = True
 
     def __init__(self) -> None:
-        from flash_attn import flash_attn_with_kvcache
+        from flash_attn import flash_attn_with_kvcache  # optional dependency
 
         self._kernel = flash_attn_with_kvcache
 

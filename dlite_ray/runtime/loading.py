@@ -76,7 +76,7 @@ def _read_hf_dir(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def _read_gguf(path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     """Dequantise through transformers' GGUF reader (needs `gguf`), then take its weights."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy, only for GGUF
 
     log.info("reading GGUF %s through transformers (dequantises to float32)", path)
     hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)

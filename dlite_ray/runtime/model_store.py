@@ -76,7 +76,7 @@ def _fetch_gguf(dest: Path) -> None:
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
-    import torch
+    import torch  # heavy imports only when converting
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

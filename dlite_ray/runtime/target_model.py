@@ -74,6 +74,6 @@ class TargetModel(nn.Module):
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights: features are only valid for the weights that made them."""
-        from dlite_ray.runtime.loading import weights_fingerprint
+        from dlite_ray.runtime.loading import weights_fingerprint  # avoid a cycle
 
         return weights_fingerprint(self)

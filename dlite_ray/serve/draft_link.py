@@ -95,7 +95,7 @@ class DraftLink:
             init_pair(address, TARGET_RANK, self._backend, self._timeout)  # blocks until rank 1 joins
             self._transport = DistributedDraftTransport(self.info, self._vocab, self._device)
             log.info("draft worker connected over %s at %s", self._backend, address)
-        except Exception:
+        except Exception:  # keep serving plainly; try again later
             log.exception("could not connect the draft worker; retrying in 5 s")
             time.sleep(5)
             with self._lock:
