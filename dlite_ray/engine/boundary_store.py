@@ -8,7 +8,7 @@ or draft fingerprint is never used.
 
 Leases: a paused conversation's boundary can be saved under a lease name. A leased entry
 is outside the LRU capacity and is given up only when released (lease expiry, delete) or,
-as a last resort, under memory pressure; then its name is reported in `evicted_leases`
+as a last resort, under memory pressure; then its name is reported by `take_evicted_leases`
 so the server can tell the router the conversation must re-prefill elsewhere.
 """
 
@@ -45,7 +45,7 @@ class BoundaryStore:
         self.blocks, self.capacity = blocks, capacity
         self._entries: OrderedDict[int, Boundary] = OrderedDict()
         self._leases: dict[str, int] = {}  # lease -> entry key
-        self.evicted_leases: list[str] = []
+        self._evicted_leases: list[str] = []
         self.hits = 0
         self.stale = 0
 
@@ -74,10 +74,15 @@ class BoundaryStore:
                                       pivot_features, list(block_table[:used]), list(block_hashes), lease)
         if lease is not None:
             self._leases[lease] = key
-            if lease in self.evicted_leases:  # its older boundary went, this newer one is pinned
-                self.evicted_leases.remove(lease)
+            if lease in self._evicted_leases:  # its older boundary went, this newer one is pinned
+                self._evicted_leases.remove(lease)
         while len(self._entries) - len(self._leases) > self.capacity and self._drop_oldest(leased=False):
             pass
+
+    def take_evicted_leases(self) -> list[str]:
+        """Leases whose boundary was dropped since the last call."""
+        out, self._evicted_leases = self._evicted_leases, []
+        return out
 
     def release_lease(self, lease: str) -> bool:
         """The lease ended: its boundary joins the LRU (still reusable until evicted)."""
@@ -122,6 +127,6 @@ class BoundaryStore:
         if entry is not None:
             if entry.lease is not None:
                 self._leases.pop(entry.lease, None)
-                self.evicted_leases.append(entry.lease)
+                self._evicted_leases.append(entry.lease)
             for b in entry.blocks:
                 self.blocks.release(b)

@@ -228,8 +228,7 @@ class DLiteEngine:
         """Leases whose KV was given up under memory pressure since the last call."""
         if self.boundaries is None:
             return []
-        out, self.boundaries.evicted_leases = self.boundaries.evicted_leases, []
-        return out
+        return self.boundaries.take_evicted_leases()
 
     # -- the library API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
