@@ -17,18 +17,31 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class _Rate:
-    tokens: float = 0.0  # exponentially weighted sums: tokens / seconds is the recent rate
+    """Tokens per step over seconds per step, each an exponentially weighted mean.
+
+    The two move at different speeds: a speculative step's tokens jump between 1 and K + 1
+    with acceptance, so one unlucky probe must not flip the verdict (long memory), while its
+    time depends on the batch and the machine and is steady (short memory, so a change in
+    cost shows after two or three probes)."""
+
+    tokens: float = 0.0
     seconds: float = 0.0
+    token_weight: float = 0.0
+    second_weight: float = 0.0
     samples: int = 0
 
-    def add(self, tokens: int, seconds: float, decay: float) -> None:
-        self.tokens = self.tokens * decay + tokens
-        self.seconds = self.seconds * decay + seconds
+    def add(self, tokens: int, seconds: float, token_decay: float, second_decay: float) -> None:
+        self.tokens = self.tokens * token_decay + tokens
+        self.token_weight = self.token_weight * token_decay + 1
+        self.seconds = self.seconds * second_decay + seconds
+        self.second_weight = self.second_weight * second_decay + 1
         self.samples += 1
 
     @property
     def value(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        if self.seconds <= 0:
+            return 0.0
+        return (self.tokens / self.token_weight) / (self.seconds / self.second_weight)
 
 
 def batch_bucket(batch: int) -> int:
@@ -37,16 +50,18 @@ def batch_bucket(batch: int) -> int:
 
 
 class StepRates:
-    # DECAY: a mode's figure is mostly its last two or three samples, so two or three probes
-    # are enough to notice that the slower mode became the faster one.
-    MIN_SAMPLES, EXPLORE_EVERY, DECAY = 3, 16, 0.5
+    # SECOND_DECAY: a mode's step time is mostly its last two or three samples, so two or
+    # three probes notice that the slower mode became the faster one. TOKEN_DECAY: tokens
+    # per step average over ~10 samples (acceptance is noisy step to step).
+    MIN_SAMPLES, EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 0.5, 0.9
 
     def __init__(self) -> None:
         self._rates: dict[tuple[int, bool], _Rate] = {}
         self._steps: Counter[int] = Counter()
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        self._rates.setdefault((batch_bucket(batch), speculated), _Rate()).add(tokens, seconds, self.DECAY)
+        rate = self._rates.setdefault((batch_bucket(batch), speculated), _Rate())
+        rate.add(tokens, seconds, self.TOKEN_DECAY, self.SECOND_DECAY)
 
     def rate(self, batch: int, speculated: bool) -> float:
         return self._rates.get((batch_bucket(batch), speculated), _Rate()).value

@@ -29,6 +29,7 @@ class SequenceSpan:
     kv_runs: list[slice]  # the context as runs of consecutive slots
     mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when a plain decode row
     kv_slots: torch.Tensor | None = None  # [ctx_len] slots, built by the first layer that gathers
+    folded_mask: torch.Tensor | None = None  # mask as additive scores per GQA-folded row, built once
 
 
 @dataclass(slots=True)
@@ -94,12 +95,12 @@ class SdpaBackend:
     GQA is folded into the query rows ([Hkv, group * q_len, Dh] against [Hkv, ctx, Dh]):
     on CPU this is ~10x faster than SDPA's own `enable_gqa` path, which copies K/V per head.
     A context on consecutive blocks is one strided view. A fragmented one (prefix-cache
-    hits, preemption, blocks reused after eviction) is attended run by run over views when
-    it is a few runs and a few query rows (decode and verify rows: no copy); otherwise its
-    K/V are gathered once per layer and attended by one fused SDPA call, because scores
-    materialised run by run cost far more than the copy for a prefill chunk (measured: a
-    3.6K-token prefill over blocks scattered by eviction took 18.8 s run by run, 6.5 s
-    gathered, ~7 s on consecutive blocks).
+    hits, preemption, blocks reused after eviction) is attended part by part over views when
+    it is a few runs and a few query rows (decode and verify rows: no copy), the parts merged
+    by their log-sum-exp; otherwise its K/V are gathered once per layer and attended by one
+    fused SDPA call, because run-by-run attention costs far more than the copy for a prefill
+    chunk (measured: a 3.6K-token prefill over blocks scattered by eviction took 18.8 s run
+    by run, 6.5 s gathered, ~7 s on consecutive blocks).
     """
 
     name = "sdpa"
@@ -117,13 +118,15 @@ class SdpaBackend:
             n = span.q_len
             qs = q[span.q_start:span.q_start + n].view(n, hkv, group, dh).permute(1, 2, 0, 3)
             qs = qs.reshape(hkv, group * n, dh)  # rows: (group, position)
-            mask = None if span.mask is None else span.mask.repeat(group, 1)
+            mask = None if span.mask is None else _folded_mask(span, group, q.dtype)
             if len(span.kv_runs) == 1:
                 run = span.kv_runs[0]
                 out = F.scaled_dot_product_attention(qs[None], k_all[None, :, run], v_all[None, :, run],
                                                      attn_mask=mask)[0]
             elif len(span.kv_runs) <= MAX_VIEW_RUNS and qs.shape[1] <= MAX_VIEW_ROWS:
-                out = _attend_runs(qs, k_all, v_all, span.kv_runs, mask)
+                new_k = k[span.q_start:span.q_start + n].transpose(0, 1)  # [Hkv, n, Dh]
+                new_v = v[span.q_start:span.q_start + n].transpose(0, 1)
+                out = _attend_parts(qs, k_all, v_all, _without_last(span.kv_runs, n), new_k, new_v, group)
             else:
                 if span.kv_slots is None:  # once per forward, reused by every layer
                     span.kv_slots = torch.cat([torch.arange(r.start, r.stop, device=q.device) for r in span.kv_runs])
@@ -133,20 +136,55 @@ class SdpaBackend:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-def _attend_runs(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, runs: list[slice],
-                 mask: torch.Tensor | None) -> torch.Tensor:
-    """Exact attention of q [H, R, Dh] over K/V given as slot runs; one softmax over all."""
-    scores = torch.cat([q @ k_all[:, r].transpose(1, 2) for r in runs], dim=-1) * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1).to(v_all.dtype)
-    out, offset = None, 0
-    for r in runs:
-        length = r.stop - r.start
-        part = probs[..., offset:offset + length] @ v_all[:, r]
-        out = part if out is None else out + part
-        offset += length
-    return out
+def _folded_mask(span: SequenceSpan, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The span's mask for GQA-folded rows, as scores to add (SDPA's fused CPU kernel takes
+    these as they are; a boolean mask it converts on every call), once per forward."""
+    if span.folded_mask is None:
+        scores = torch.zeros(span.mask.shape, dtype=dtype, device=span.mask.device)
+        span.folded_mask = scores.masked_fill(~span.mask, float("-inf")).repeat(group, 1)
+    return span.folded_mask
+
+
+def _attend_parts(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, old_runs: list[slice],
+                  new_k: torch.Tensor, new_v: torch.Tensor, group: int) -> torch.Tensor:
+    """Exact attention of q [Hkv, group * n, Dh] (rows: group, position) over the cached
+    context before its n new tokens, given as slot runs every row sees whole, plus the new
+    tokens themselves (causal). One kernel call per part, no copy of the context; the parts
+    are merged by their log-sum-exp, which is one softmax over all keys up to rounding."""
+    n = new_k.shape[1]
+    causal = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1).repeat(group, 1)
+    parts = [_attend_with_lse(q, k_all[:, r], v_all[:, r]) for r in old_runs]
+    parts.append(_attend_with_lse(q, new_k, new_v, causal))
+    if len(parts) == 1:
+        return parts[0][0]
+    outs, lses = zip(*parts, strict=True)
+    weights = torch.stack(lses).softmax(dim=0)[..., None]  # [parts, Hkv, rows, 1]
+    return (torch.stack(outs).float() * weights).sum(dim=0).to(q.dtype)
+
+
+def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     additive_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, R, Dh] over k, v [H, L, Dh] -> (out [H, R, Dh], log-sum-exp of the scores [H, R])."""
+    if q.device.type == "cpu":  # the fused kernel reads strided views and returns the LSE
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], attn_mask=additive_mask)
+        return out[0], lse[0].float()
+    scores = (q.float() @ k.float().transpose(1, 2)) * q.shape[-1] ** -0.5
+    if additive_mask is not None:
+        scores = scores + additive_mask.float()
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype), scores.logsumexp(dim=-1)
+
+
+def _without_last(runs: list[slice], n: int) -> list[slice]:
+    """The runs minus their last n slots."""
+    kept = list(runs)
+    while n > 0:
+        last = kept.pop()
+        length = last.stop - last.start
+        if length > n:
+            kept.append(slice(last.start, last.stop - n))
+        n -= min(n, length)
+    return kept
 
 
 class FlashAttnBackend:

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError
+from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
 from dlite_ray.runtime.sampling import RowSampling, probabilities, sample
 from dlite_ray.runtime.sequential_head import DLiteSequentialHead
@@ -164,7 +165,9 @@ class DLiteDraftModel(nn.Module):
         model.embed_tokens = target_embedding
         model.rotary = Rotary(cfg.layers.head_dim, cfg.layers.rope_theta)
         model.layer_ids = torch.tensor(cfg.target_layer_ids)
-        return model.to(device).eval()
+        model = model.to(device).eval()
+        freeze_linears(model)  # loaded drafts only draft (training builds its own)
+        return model
 
 
 def _project_context(attn, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

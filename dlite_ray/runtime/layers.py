@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
 
 # (q [..., Hq, Dh], k [..., Hkv, Dh], v [..., Hkv, Dh]) -> out [..., Hq, Dh]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,21 +73,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): one GEMV instead of three
-        self.qkv_bias: torch.Tensor | None = None
+        # Set by freeze(): one q/k/v linear instead of three (CPU decode is one weight read per call).
+        self.qkv: FrozenLinear | None = None
+        self.out: FrozenLinear | None = None
 
-    def fuse(self) -> None:
-        """Inference only: concatenate q/k/v weights (CPU decode is one weight read per call)."""
+    def freeze(self) -> None:
+        """Inference only: fuse q/k/v and fix the weights (packed for the CPU where that pays)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        self.qkv_weight = _fuse_into_views(projs, "weight")
-        if self.q_proj.bias is not None:
-            self.qkv_bias = _fuse_into_views(projs, "bias")
+        bias = _fuse_into_views(projs, "bias") if self.q_proj.bias is not None else None
+        self.qkv = freeze_linear(_fuse_into_views(projs, "weight"), bias)
+        self.out = freeze_linear(self.o_proj.weight)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_weight is None:
+        if self.qkv is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         kv = self.num_kv_heads * self.head_dim
-        return F.linear(x, self.qkv_weight, self.qkv_bias).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        return self.qkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -98,7 +100,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend(q, k, v)
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+        project = self.o_proj if self.out is None else self.out
+        return project(out.reshape(*lead, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -107,17 +110,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up: FrozenLinear | None = None  # set by freeze()
+        self.down: FrozenLinear | None = None
 
-    def fuse(self) -> None:
-        self.gate_up_weight = _fuse_into_views((self.gate_proj, self.up_proj), "weight")
+    def freeze(self) -> None:
+        self.gate_up = freeze_linear(_fuse_into_views((self.gate_proj, self.up_proj), "weight"))
+        self.down = freeze_linear(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        else:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

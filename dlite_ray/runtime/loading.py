@@ -57,7 +57,7 @@ def build_target(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
     model = model.to(device).eval()
-    model.fuse_projections()
+    model.freeze()
     return model
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from dlite_ray.runtime.attention import AttentionMetadata, FlashAttnBackend, SdpaBackend
 from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary
 
@@ -47,6 +48,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.head: FrozenLinear | None = None  # set by freeze()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, backend: SdpaBackend | FlashAttnBackend) -> ForwardOutput:
@@ -62,15 +64,17 @@ class TargetModel(nn.Module):
             if want_taps and i in batch.tap_layers:
                 taps[i] = x.index_select(0, batch.tap_indices)
         last = self.norm(x.index_select(0, batch.logit_indices))
-        logits = self.lm_head(last).float()
+        logits = (self.lm_head if self.head is None else self.head)(last).float()
         stacked = torch.stack([taps[i] for i in batch.tap_layers], dim=1) if want_taps else None
         return ForwardOutput(logits, stacked)
 
-    def fuse_projections(self) -> None:
-        """Fuse q/k/v and gate/up weights for inference (the target is never trained here)."""
+    def freeze(self) -> None:
+        """Inference only (the target is never trained here): fused q/k/v and gate/up weights,
+        every linear fixed, and packed for the CPU's matrix unit where that pays."""
         for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.freeze()
+            layer.mlp.freeze()
+        self.head = freeze_linear(self.lm_head.weight)
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights: features are only valid for the weights that made them."""

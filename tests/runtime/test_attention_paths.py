@@ -14,26 +14,45 @@ from dlite_ray.runtime.kv_cache import PagedKVCache
 BS, HKV, GROUP, DH, CTX = 4, 2, 2, 8, 40
 
 
-def _attend_all(table: list[int], q, k, v) -> torch.Tensor:
-    """Prefill CTX - 1 tokens, then one decode token; returns both outputs concatenated."""
+def _attend_all(table: list[int], q, k, v, new: int) -> torch.Tensor:
+    """Prefill CTX - new tokens, then `new` tokens in one step (a decode or a verify row);
+    returns both outputs concatenated."""
     cache = PagedKVCache(SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1), 64, BS, torch.float32, "cpu")
     backend = SdpaBackend()
-    meta = build_attention_metadata([CTX - 1], [CTX - 1], [table], BS, torch.device("cpu"))
-    first = backend.attend(cache, 0, meta, q[:-1], k[:-1], v[:-1])
-    meta = build_attention_metadata([1], [CTX], [table], BS, torch.device("cpu"))
-    return torch.cat([first, backend.attend(cache, 0, meta, q[-1:], k[-1:], v[-1:])])
+    meta = build_attention_metadata([CTX - new], [CTX - new], [table], BS, torch.device("cpu"))
+    first = backend.attend(cache, 0, meta, q[:-new], k[:-new], v[:-new])
+    meta = build_attention_metadata([new], [CTX], [table], BS, torch.device("cpu"))
+    return torch.cat([first, backend.attend(cache, 0, meta, q[-new:], k[-new:], v[-new:])])
 
 
+@pytest.mark.parametrize("new", [1, 3, 6])  # a decode row; verify rows inside one block and across two
 @pytest.mark.parametrize("table", [
-    [40, 41, 42, 3, 4, 5, 6, 50, 51, 52],  # 3 runs: decode reads views, prefill gathers
+    [40, 41, 42, 3, 4, 5, 6, 50, 51, 52],  # 3 runs: decode and verify read views, prefill gathers
     [9, 1, 30, 17, 3, 60, 25, 11, 44, 7],  # 10 runs (> MAX_VIEW_RUNS): everything gathers
 ])
-def test_fragmented_contexts_attend_like_consecutive_ones(table):
+def test_fragmented_contexts_attend_like_consecutive_ones(table, new):
     torch.manual_seed(0)
     q = torch.randn(CTX, HKV * GROUP, DH)
     k, v = torch.randn(CTX, HKV, DH), torch.randn(CTX, HKV, DH)
-    consecutive = _attend_all(list(range(10)), q, k, v)
-    torch.testing.assert_close(_attend_all(table, q, k, v), consecutive, rtol=1e-5, atol=1e-5)
+    consecutive = _attend_all(list(range(10)), q, k, v, new)
+    torch.testing.assert_close(_attend_all(table, q, k, v, new), consecutive, rtol=1e-5, atol=1e-5)
+
+
+def test_parts_merge_like_one_softmax_in_bfloat16():
+    """The log-sum-exp merge of views is as close to one softmax as bf16 rounding allows."""
+    torch.manual_seed(1)
+    q = torch.randn(CTX, HKV * GROUP, DH)
+    k, v = torch.randn(CTX, HKV, DH), torch.randn(CTX, HKV, DH)
+    reference = _attend_all(list(range(10)), q, k, v, 3)
+    cache = PagedKVCache(SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1), 64, BS, torch.bfloat16, "cpu")
+    table = [40, 41, 42, 3, 4, 5, 6, 50, 51, 52]
+    backend = SdpaBackend()
+    bf = [t.bfloat16() for t in (q, k, v)]
+    meta = build_attention_metadata([CTX - 3], [CTX - 3], [table], BS, torch.device("cpu"))
+    backend.attend(cache, 0, meta, *(t[:-3] for t in bf))
+    meta = build_attention_metadata([3], [CTX], [table], BS, torch.device("cpu"))
+    out = backend.attend(cache, 0, meta, *(t[-3:] for t in bf))
+    torch.testing.assert_close(out.float(), reference[-3:], rtol=0.03, atol=0.03)
 
 
 def test_the_scattered_table_is_past_the_view_limit():
