@@ -2,8 +2,10 @@
 
 Cost model (refit online from the steps themselves): a target forward over T new tokens
 takes v0 + v1 * T; a draft call for k tokens takes d0 + d1 * k. Row i accepts each
-drafted token with probability alpha_i (its own running estimate, from a prior), so its
-j-th drafted token adds alpha_i ** j expected tokens. Starting from plain decoding,
+drafted position j, once reached, with probability alpha_i * f_j: alpha_i is its own
+running acceptance (from a prior), f_j the engine's measured depth factor (later positions
+are accepted more often once reached: ~0.42, 0.5, 0.57, ... for the default draft). Its
+j-th drafted token adds prod_{m <= j} alpha_i * f_m expected tokens. Starting from plain decoding,
 draft tokens are added greedily while they raise expected tokens per second of the
 whole step; when speculation does not pay (low acceptance, compute-bound batch), every
 K_i stays 0 and the engine decodes plainly. Whether to speculate at all is then checked
@@ -37,6 +39,8 @@ class SpeculationPolicy:
     # after a few plain rounds instead of staying off for good after one bad round.
     IDLE_DECAY = 0.7
     WINDOW = 64
+    MAX_ACCEPT = 0.95  # no drafted position is ever counted as certain
+    DEPTH_DECAY = 0.998  # the depth profile is the draft's, slow to change: ~500 rounds
 
     def __init__(self, max_draft_tokens: int, adaptive: bool = True):
         self.max_draft_tokens, self.adaptive = max_draft_tokens, adaptive
@@ -46,6 +50,8 @@ class SpeculationPolicy:
         self._draft: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
         self._global = [0.6, 1.0]  # decayed (accepted, examined) over all requests
+        # decayed (accepted, reached) per drafted position over all requests
+        self._positions = [[0.0, 0.0] for _ in range(max_draft_tokens)]
 
     def alpha(self, seq: Sequence) -> float:
         accepted, reached = self._accept.get(seq, (0.0, 0.0))
@@ -79,7 +85,8 @@ class SpeculationPolicy:
         # With drafting, the call's fixed cost is paid once; then add the draft positions
         # that raise tokens per second most, one at a time, while they still do.
         ks = [0] * len(seqs)
-        alphas = [self.alpha(s) for s in seqs]
+        factors = self._depth_factors()
+        gains = [self._gains(s, cap, factors) for s, cap in zip(seqs, caps)]
         gain, time = float(len(seqs)), plain_time + c.d0
         while True:
             best, best_ratio, best_cost = None, 0.0, 0.0
@@ -87,15 +94,33 @@ class SpeculationPolicy:
             for i, (k, cap) in enumerate(zip(ks, caps)):
                 if k < cap:
                     extra = c.v1 + (c.d1 if k + 1 > k_max else 0.0)
-                    ratio = alphas[i] ** (k + 1) / extra
+                    ratio = gains[i][k] / extra
                     if ratio > best_ratio:
                         best, best_ratio, best_cost = i, ratio, extra
             if best is None or best_ratio <= gain / time:
                 break
-            gain += alphas[best] ** (ks[best] + 1)
+            gain += gains[best][ks[best]]
             time += best_cost
             ks[best] += 1
         return ks, gain / time > plain_rate
+
+    def _depth_factors(self) -> list[float]:
+        """How much likelier than the first drafted position each position is accepted once
+        reached, over all rows (1 where nothing was measured yet)."""
+        (first_accepted, first_reached), overall = self._positions[0], self._global[0] / self._global[1]
+        first = (first_accepted + overall * self.PRIOR_WEIGHT) / (first_reached + self.PRIOR_WEIGHT)
+        return [1.0] + [(accepted + first * self.PRIOR_WEIGHT) / (reached + self.PRIOR_WEIGHT) / first
+                        for accepted, reached in self._positions[1:]]
+
+    def _gains(self, seq: Sequence, cap: int, factors: list[float]) -> list[float]:
+        """Expected tokens that drafted positions 1..cap add for this row: its own acceptance
+        (which recovers when idle), shaped by the engine's depth factors."""
+        alpha = self.alpha(seq)
+        gains, reach = [], 1.0
+        for factor in factors[:cap]:
+            reach *= min(self.MAX_ACCEPT, alpha * factor)
+            gains.append(reach)
+        return gains
 
     def observe_step(self, batch: int, ks: list[int], tokens: int, seconds: float) -> None:
         """What a decode-only step delivered: `tokens` emitted in `seconds` of the whole step."""
@@ -119,6 +144,10 @@ class SpeculationPolicy:
         stats[1] += examined
         g = self._global
         g[0], g[1] = g[0] * self.GLOBAL_DECAY + accepted, g[1] * self.GLOBAL_DECAY + examined
+        for j, position in enumerate(self._positions):
+            reached = j < examined
+            position[0] = position[0] * self.DEPTH_DECAY + (reached and j < accepted)
+            position[1] = position[1] * self.DEPTH_DECAY + reached
 
 
 def _fit(samples, intercept: float, slope: float) -> tuple[float, float]:
