@@ -84,9 +84,11 @@ def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor
     return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
 
 
-# Fragmented contexts are attended run by run over views (no copy) only up to this many
-# runs and this many query rows (GQA-folded: query heads per KV head x new tokens).
-MAX_VIEW_RUNS, MAX_VIEW_ROWS = 8, 64
+# Decode and verify rows go the position-exact way up to this many GQA-folded query rows
+# (query heads per KV head x new tokens: the fused CPU kernel treats up to 32 rows as one
+# block); the context before a row's window is read as views up to this many runs of
+# consecutive slots; the window is the part of the context each row attends masked.
+MAX_POSITIONED_ROWS, MAX_VIEW_RUNS, WINDOW = 32, 8, 256
 
 
 class SdpaBackend:
@@ -94,13 +96,17 @@ class SdpaBackend:
 
     GQA is folded into the query rows ([Hkv, group * q_len, Dh] against [Hkv, ctx, Dh]):
     on CPU this is ~10x faster than SDPA's own `enable_gqa` path, which copies K/V per head.
-    A context on consecutive blocks is one strided view. A fragmented one (prefix-cache
-    hits, preemption, blocks reused after eviction) is attended part by part over views when
-    it is a few runs and a few query rows (decode and verify rows: no copy), the parts merged
-    by their log-sum-exp; otherwise its K/V are gathered once per layer and attended by one
-    fused SDPA call, because run-by-run attention costs far more than the copy for a prefill
-    chunk (measured: a 3.6K-token prefill over blocks scattered by eviction took 18.8 s run
-    by run, 6.5 s gathered, ~7 s on consecutive blocks).
+
+    Decode and verify rows (a few new tokens) are computed so that a row's result depends
+    on its position only, not on how many tokens the step verifies: otherwise a verify step
+    would round differently from plain decoding (a fused kernel sums over a different
+    number of keys), and in bf16 that flips greedy tokens. See `_attend_positioned`.
+
+    Prefill chunks over consecutive blocks are one strided view. A fragmented context
+    (prefix-cache hits, preemption, blocks reused after eviction) is gathered once per
+    layer and attended by one fused SDPA call (measured: a 3.6K-token prefill over blocks
+    scattered by eviction took 18.8 s attended run by run, 6.5 s gathered, ~7 s on
+    consecutive blocks).
     """
 
     name = "sdpa"
@@ -116,6 +122,9 @@ class SdpaBackend:
         outs = []
         for span in meta.spans:
             n = span.q_len
+            if group * n <= MAX_POSITIONED_ROWS:
+                outs.append(_attend_positioned(q[span.q_start:span.q_start + n], k_all, v_all, span))
+                continue
             qs = q[span.q_start:span.q_start + n].view(n, hkv, group, dh).permute(1, 2, 0, 3)
             qs = qs.reshape(hkv, group * n, dh)  # rows: (group, position)
             mask = None if span.mask is None else _folded_mask(span, group, q.dtype)
@@ -123,14 +132,9 @@ class SdpaBackend:
                 run = span.kv_runs[0]
                 out = F.scaled_dot_product_attention(qs[None], k_all[None, :, run], v_all[None, :, run],
                                                      attn_mask=mask)[0]
-            elif len(span.kv_runs) <= MAX_VIEW_RUNS and qs.shape[1] <= MAX_VIEW_ROWS:
-                new_k = k[span.q_start:span.q_start + n].transpose(0, 1)  # [Hkv, n, Dh]
-                new_v = v[span.q_start:span.q_start + n].transpose(0, 1)
-                out = _attend_parts(qs, k_all, v_all, _without_last(span.kv_runs, n), new_k, new_v, group)
             else:
-                if span.kv_slots is None:  # once per forward, reused by every layer
-                    span.kv_slots = torch.cat([torch.arange(r.start, r.stop, device=q.device) for r in span.kv_runs])
-                k_ctx, v_ctx = k_all.index_select(1, span.kv_slots), v_all.index_select(1, span.kv_slots)
+                slots = _context_slots(span, q.device)
+                k_ctx, v_ctx = k_all.index_select(1, slots), v_all.index_select(1, slots)
                 out = F.scaled_dot_product_attention(qs[None], k_ctx[None], v_ctx[None], attn_mask=mask)[0]
             outs.append(out.view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, hkv * group, dh))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -145,21 +149,66 @@ def _folded_mask(span: SequenceSpan, group: int, dtype: torch.dtype) -> torch.Te
     return span.folded_mask
 
 
-def _attend_parts(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, old_runs: list[slice],
-                  new_k: torch.Tensor, new_v: torch.Tensor, group: int) -> torch.Tensor:
-    """Exact attention of q [Hkv, group * n, Dh] (rows: group, position) over the cached
-    context before its n new tokens, given as slot runs every row sees whole, plus the new
-    tokens themselves (causal). One kernel call per part, no copy of the context; the parts
-    are merged by their log-sum-exp, which is one softmax over all keys up to rounding."""
-    n = new_k.shape[1]
-    causal = torch.full((n, n), float("-inf"), dtype=q.dtype, device=q.device).triu(1).repeat(group, 1)
-    parts = [_attend_with_lse(q, k_all[:, r], v_all[:, r]) for r in old_runs]
-    parts.append(_attend_with_lse(q, new_k, new_v, causal))
-    if len(parts) == 1:
-        return parts[0][0]
+def _attend_positioned(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                       span: SequenceSpan) -> torch.Tensor:
+    """Decode / verify rows q [n, Hq, Dh] -> [n, Hq, Dh], each computed the same way whatever
+    step it is in. The context of the row at position p splits at w = p - p % WINDOW:
+      - positions [0, w): one fused-kernel call per run of consecutive slots, no mask
+        (gathered into one call when there are more than MAX_VIEW_RUNS runs);
+      - the window [w, w + WINDOW): gathered, padded, masked after p, one call.
+    Both depend on p only; every call has exactly MAX_POSITIONED_ROWS query rows (padded),
+    so the kernel picks the same arithmetic for a decode step and a verify step; the parts
+    are merged per row by their log-sum-exp (one softmax over all keys, up to rounding)."""
+    n = q.shape[0]
+    first = span.ctx_len - n  # position of the first new token
+    outs, i = [], 0
+    while i < n:  # the rows of one window at a time (a verify step may cross into the next)
+        start = (first + i) - (first + i) % WINDOW
+        j = min(n, start + WINDOW - first)
+        outs.append(_attend_window_rows(q[i:j], k_all, v_all, span, start, first + i))
+        i = j
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, span: SequenceSpan,
+                        start: int, first: int) -> torch.Tensor:
+    """Rows q [m, Hq, Dh] at positions first.. first + m - 1, all in the window from `start`."""
+    m, hq, dh = q.shape
+    hkv = k_all.shape[0]
+    group = hq // hkv
+    real = group * m
+    rows = q.view(m, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, real, dh)
+    rows = F.pad(rows, (0, 0, 0, MAX_POSITIONED_ROWS - real))
+    slots = _context_slots(span, q.device)
+    before = _first_positions(span.kv_runs, start)
+    if len(before) <= MAX_VIEW_RUNS:  # views, no copy
+        parts = [_attend_with_lse(rows, k_all[:, r], v_all[:, r]) for r in before]
+    else:  # many short runs: one gathered call beats a call per run
+        parts = [_attend_with_lse(rows, k_all.index_select(1, slots[:start]), v_all.index_select(1, slots[:start]))]
+    window = slots[start:start + WINDOW]
+    window = torch.cat([window, window[-1:].expand(WINDOW - window.numel())])  # padding, masked below
+    keys = torch.arange(start, start + WINDOW, device=q.device)
+    positions = torch.arange(first, first + m, device=q.device)
+    mask = torch.zeros(m, WINDOW, dtype=q.dtype, device=q.device)
+    mask = mask.masked_fill(keys[None, :] > positions[:, None], float("-inf")).repeat(group, 1)
+    mask = F.pad(mask, (0, 0, 0, MAX_POSITIONED_ROWS - real))
+    parts.append(_attend_with_lse(rows, k_all.index_select(1, window), v_all.index_select(1, window), mask))
+    out = parts[0][0] if len(parts) == 1 else _merge(parts, q.dtype)
+    return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
+
+
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """Attention over the union of the parts' keys, from each part's output and log-sum-exp."""
     outs, lses = zip(*parts, strict=True)
     weights = torch.stack(lses).softmax(dim=0)[..., None]  # [parts, Hkv, rows, 1]
-    return (torch.stack(outs).float() * weights).sum(dim=0).to(q.dtype)
+    return (torch.stack(outs).float() * weights).sum(dim=0).to(dtype)
+
+
+def _context_slots(span: SequenceSpan, device: torch.device) -> torch.Tensor:
+    """The span's context as one slot index per position, built once per forward."""
+    if span.kv_slots is None:
+        span.kv_slots = torch.cat([torch.arange(r.start, r.stop, device=device) for r in span.kv_runs])
+    return span.kv_slots
 
 
 def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -175,15 +224,15 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype), scores.logsumexp(dim=-1)
 
 
-def _without_last(runs: list[slice], n: int) -> list[slice]:
-    """The runs minus their last n slots."""
-    kept = list(runs)
-    while n > 0:
-        last = kept.pop()
-        length = last.stop - last.start
-        if length > n:
-            kept.append(slice(last.start, last.stop - n))
-        n -= min(n, length)
+def _first_positions(runs: list[slice], count: int) -> list[slice]:
+    """The runs cut to their first `count` slots."""
+    kept = []
+    for run in runs:
+        if count <= 0:
+            break
+        length = min(count, run.stop - run.start)
+        kept.append(slice(run.start, run.start + length))
+        count -= length
     return kept
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dlite_ray.runtime.attention import MAX_VIEW_RUNS, SdpaBackend, build_attention_metadata
+from dlite_ray.runtime.attention import MAX_VIEW_RUNS, WINDOW, SdpaBackend, build_attention_metadata
 from dlite_ray.runtime.kv_cache import PagedKVCache
 
 BS, HKV, GROUP, DH, CTX = 4, 2, 2, 8, 40
@@ -59,3 +59,39 @@ def test_the_scattered_table_is_past_the_view_limit():
     span = build_attention_metadata([1], [CTX], [[9, 1, 30, 17, 3, 60, 25, 11, 44, 7]], BS,
                                     torch.device("cpu")).spans[0]
     assert len(span.kv_runs) > MAX_VIEW_RUNS  # so the second case above exercises the gather
+
+
+def _prefill_then(table: list[int], q, k, v, ctx: int, steps: list[int], dtype) -> torch.Tensor:
+    """Prefill all but sum(steps) tokens, then run the rest in steps of the given sizes
+    (1, 1, 1 = plain decoding; 4 = one verify step); the outputs of those last tokens."""
+    cache = PagedKVCache(SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1), 256, BS, dtype, "cpu")
+    backend = SdpaBackend()
+    done = ctx - sum(steps)
+    meta = build_attention_metadata([done], [done], [table], BS, torch.device("cpu"))
+    backend.attend(cache, 0, meta, q[:done], k[:done], v[:done])
+    outs = []
+    for n in steps:
+        meta = build_attention_metadata([n], [done + n], [table], BS, torch.device("cpu"))
+        outs.append(backend.attend(cache, 0, meta, q[done:done + n], k[done:done + n], v[done:done + n]))
+        done += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("ctx", "table"), [
+    (40, list(range(10))),  # consecutive blocks
+    (40, [40, 41, 42, 3, 4, 5, 6, 50, 51, 52]),  # 3 runs
+    (40, [9, 1, 30, 17, 3, 60, 25, 11, 44, 7]),  # 10 runs
+    (WINDOW + 3, list(range(100))),  # the verify step crosses into the next window
+    (WINDOW + 3, [*range(40, 60), *range(40), *range(60, 100)]),  # ... over 3 runs
+    (WINDOW + 3, list(range(0, 200, 2))),  # ... after 64 one-block runs (gathered)
+])
+def test_verify_rows_equal_plain_decoding_bit_for_bit(ctx, table, dtype):
+    """A verify step must compute each row exactly as decoding that token alone would, or
+    greedy speculative output could differ from plain decoding by a rounding (bf16 does)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(ctx, HKV * GROUP, DH, generator=gen).to(dtype)
+    k, v = (torch.randn(ctx, HKV, DH, generator=gen).to(dtype) for _ in range(2))
+    decoded = _prefill_then(table, q, k, v, ctx, [1] * 6, dtype)
+    for steps in ([6], [2, 4], [5, 1]):
+        assert torch.equal(_prefill_then(table, q, k, v, ctx, steps, dtype), decoded), steps
