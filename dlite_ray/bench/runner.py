@@ -34,7 +34,12 @@ def run(args) -> dict:
     dlite = DLiteEngine.from_pretrained(args.target, args.draft, dtype=args.dtype)
     ar = DLiteEngine(dlite.target, dlite.tokenizer, None)
     workloads = [w.strip() for w in args.workload.split(",")]
-    prompts = {w: expand(load_workload(w, args.limit), ar, args.max_new_tokens) for w in workloads}
+    # References come from an engine of their own: the measured engines must see the same
+    # requests in the same order, or their prefix caches hold prompt KV computed in other
+    # chunks, which rounds differently in bf16 (plain decoding itself then differs in ties).
+    reference = DLiteEngine(dlite.target, dlite.tokenizer, None)
+    prompts = {w: expand(load_workload(w, args.limit), reference, args.max_new_tokens) for w in workloads}
+    del reference
     methods = build_methods(methods_wanted, dlite, ar, prompts, args)
     results = {"machine": machine_info(), "args": vars(args), "workloads": {}}
     for w, items in prompts.items():
