@@ -107,7 +107,13 @@ class SpeculationPolicy:
     def _depth_factors(self) -> list[float]:
         """How much likelier than the first drafted position each position is accepted once
         reached, over all rows (1 where nothing was measured yet)."""
-        (first_accepted, first_reached), overall = self._positions[0], self._global[0] / self._global[1]
+        # Relative to the first position, not to the average over examined positions that a
+        # row's alpha is: that overestimates deep positions somewhat (alpha is a little above
+        # the first position's rate), but a row that was just rejected at its first position
+        # is not penalised twice, so it retries once its evidence decays. The measured guard
+        # (StepRates) bounds what an optimistic depth can cost.
+        (first_accepted, first_reached) = self._positions[0]
+        overall = max(self.PRIOR_FLOOR, self._global[0] / self._global[1])
         first = (first_accepted + overall * self.PRIOR_WEIGHT) / (first_reached + self.PRIOR_WEIGHT)
         return [1.0] + [(accepted + first * self.PRIOR_WEIGHT) / (reached + self.PRIOR_WEIGHT) / first
                         for accepted, reached in self._positions[1:]]

@@ -84,11 +84,12 @@ def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor
     return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
 
 
-# Decode and verify rows go the position-exact way up to this many GQA-folded query rows
-# (query heads per KV head x new tokens: the fused CPU kernel treats up to 32 rows as one
-# block); the context before a row's window is read as views up to this many runs of
-# consecutive slots; the window is the part of the context each row attends masked.
-MAX_POSITIONED_ROWS, MAX_VIEW_RUNS, WINDOW = 32, 8, 256
+# Decode and verify steps (up to MAX_POSITIONED_TOKENS new tokens per sequence) go the
+# position-exact way, in kernel calls of MAX_POSITIONED_ROWS GQA-folded query rows (query
+# heads per KV head x new tokens: the fused CPU kernel treats up to 32 rows as one block).
+# WINDOW: the part of the context each row attends masked; CHUNK: the fixed pieces the
+# context before it is read in (a multiple of WINDOW: calls per layer grow as ctx / CHUNK).
+MAX_POSITIONED_TOKENS, MAX_POSITIONED_ROWS, WINDOW, CHUNK = 16, 32, 256, 1024
 
 
 class SdpaBackend:
@@ -122,7 +123,7 @@ class SdpaBackend:
         outs = []
         for span in meta.spans:
             n = span.q_len
-            if group * n <= MAX_POSITIONED_ROWS:
+            if n <= MAX_POSITIONED_TOKENS and group <= MAX_POSITIONED_ROWS:
                 outs.append(_attend_positioned(q[span.q_start:span.q_start + n], k_all, v_all, span))
                 continue
             qs = q[span.q_start:span.q_start + n].view(n, hkv, group, dh).permute(1, 2, 0, 3)
@@ -152,19 +153,22 @@ def _folded_mask(span: SequenceSpan, group: int, dtype: torch.dtype) -> torch.Te
 def _attend_positioned(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                        span: SequenceSpan) -> torch.Tensor:
     """Decode / verify rows q [n, Hq, Dh] -> [n, Hq, Dh], each computed the same way whatever
-    step it is in. The context of the row at position p splits at w = p - p % WINDOW:
-      - positions [0, w): one fused-kernel call per run of consecutive slots, no mask
-        (gathered into one call when there are more than MAX_VIEW_RUNS runs);
+    step it is in and wherever its blocks sit. The context of the row at position p splits
+    at w = p - p % WINDOW:
+      - positions [0, w) in chunks at fixed positions (multiples of CHUNK): one call each,
+        a view when the chunk's slots are consecutive, else gathered (same values, same
+        shape, same arithmetic), no mask;
       - the window [w, w + WINDOW): gathered, padded, masked after p, one call.
-    Both depend on p only; every call has exactly MAX_POSITIONED_ROWS query rows (padded),
-    so the kernel picks the same arithmetic for a decode step and a verify step; the parts
-    are merged per row by their log-sum-exp (one softmax over all keys, up to rounding)."""
-    n = q.shape[0]
+    Every call has exactly MAX_POSITIONED_ROWS query rows (padded), so the kernel picks the
+    same arithmetic for a decode step and a verify step; the parts are merged per row by
+    their log-sum-exp (one softmax over all keys, up to rounding)."""
+    n, hq, _ = q.shape
+    per_call = MAX_POSITIONED_ROWS // (hq // k_all.shape[0])  # positions per kernel call
     first = span.ctx_len - n  # position of the first new token
     outs, i = [], 0
     while i < n:  # the rows of one window at a time (a verify step may cross into the next)
         start = (first + i) - (first + i) % WINDOW
-        j = min(n, start + WINDOW - first)
+        j = min(n, start + WINDOW - first, i + per_call)
         outs.append(_attend_window_rows(q[i:j], k_all, v_all, span, start, first + i))
         i = j
     return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -180,11 +184,14 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     rows = q.view(m, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, real, dh)
     rows = F.pad(rows, (0, 0, 0, MAX_POSITIONED_ROWS - real))
     slots = _context_slots(span, q.device)
-    before = _first_positions(span.kv_runs, start)
-    if len(before) <= MAX_VIEW_RUNS:  # views, no copy
-        parts = [_attend_with_lse(rows, k_all[:, r], v_all[:, r]) for r in before]
-    else:  # many short runs: one gathered call beats a call per run
-        parts = [_attend_with_lse(rows, k_all.index_select(1, slots[:start]), v_all.index_select(1, slots[:start]))]
+    parts = []
+    for a in range(0, start, CHUNK):
+        b = min(start, a + CHUNK)
+        run = _inside_one_run(span.kv_runs, a, b)
+        if run is not None:  # a view, no copy
+            parts.append(_attend_with_lse(rows, k_all[:, run], v_all[:, run]))
+        else:
+            parts.append(_attend_with_lse(rows, k_all.index_select(1, slots[a:b]), v_all.index_select(1, slots[a:b])))
     window = slots[start:start + WINDOW]
     window = torch.cat([window, window[-1:].expand(WINDOW - window.numel())])  # padding, masked below
     keys = torch.arange(start, start + WINDOW, device=q.device)
@@ -195,6 +202,19 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     parts.append(_attend_with_lse(rows, k_all.index_select(1, window), v_all.index_select(1, window), mask))
     out = parts[0][0] if len(parts) == 1 else _merge(parts, q.dtype)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
+
+
+def _inside_one_run(runs: list[slice], a: int, b: int) -> slice | None:
+    """The slots of positions [a, b) when one run of consecutive slots holds them all."""
+    offset = 0
+    for run in runs:
+        length = run.stop - run.start
+        if offset <= a and b <= offset + length:
+            return slice(run.start + a - offset, run.start + b - offset)
+        if a < offset + length:
+            return None  # the range starts in this run and goes past it
+        offset += length
+    return None
 
 
 def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
@@ -222,18 +242,6 @@ def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if additive_mask is not None:
         scores = scores + additive_mask.float()
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype), scores.logsumexp(dim=-1)
-
-
-def _first_positions(runs: list[slice], count: int) -> list[slice]:
-    """The runs cut to their first `count` slots."""
-    kept = []
-    for run in runs:
-        if count <= 0:
-            break
-        length = min(count, run.stop - run.start)
-        kept.append(slice(run.start, run.start + length))
-        count -= length
-    return kept
 
 
 class FlashAttnBackend:

@@ -41,7 +41,11 @@ class FrozenLinear:
 
 
 class PackedLinear(FrozenLinear):
-    """A FrozenLinear whose weight oneDNN re-laid out once (CPU bf16 only, see can_pack)."""
+    """A FrozenLinear whose weight oneDNN re-laid out once (CPU bf16 only, see can_pack).
+
+    The packed copy sits next to the parameter (kept for state_dict and fingerprints), so
+    packed weights take twice their memory (270 MB more for SmolLM2-135M in bf16). It is a
+    snapshot: changing the weights or moving the model after freezing is not supported."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__(weight, bias)
