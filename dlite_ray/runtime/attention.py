@@ -27,9 +27,8 @@ class SequenceSpan:
     q_len: int
     ctx_len: int
     kv_runs: list[slice]  # the context as runs of consecutive slots
-    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when a plain decode row
     kv_slots: torch.Tensor | None = None  # [ctx_len] slots, built by the first layer that gathers
-    folded_mask: torch.Tensor | None = None  # mask as additive scores per GQA-folded row, built once
+    folded_mask: torch.Tensor | None = None  # causal mask per GQA-folded row (prefill), built once
 
 
 @dataclass(slots=True)
@@ -58,8 +57,7 @@ def build_attention_metadata(
             raise ValueError(f"block table of {len(table)} blocks cannot hold {ctx_len} tokens")
         first = ctx_len - q_len
         slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(first, ctx_len)]
-        spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_runs(table, ctx_len, block_size),
-                                  _causal_mask(q_len, ctx_len, device)))
+        spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_runs(table, ctx_len, block_size)))
         q_start += q_len
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), spans, block_tables, block_size)
 
@@ -77,11 +75,14 @@ def _context_runs(table: list[int], ctx_len: int, block_size: int) -> list[slice
     return runs
 
 
-def _causal_mask(q_len: int, ctx_len: int, device: torch.device) -> torch.Tensor | None:
-    if q_len == 1:
-        return None  # a single new token sees the whole context
-    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-    return torch.arange(ctx_len, device=device)[None, :] <= q_pos[:, None]
+def _causal_scores(keys_from: int, num_keys: int, rows_from: int, num_rows: int, group: int,
+                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [group * num_rows, num_keys] (rows: group, position): -inf where a key's
+    position is after the row's. Scores to add are what the fused CPU kernel takes as-is."""
+    keys = torch.arange(keys_from, keys_from + num_keys, device=device)
+    rows = torch.arange(rows_from, rows_from + num_rows, device=device)
+    mask = torch.zeros(num_rows, num_keys, dtype=dtype, device=device)
+    return mask.masked_fill(keys[None, :] > rows[:, None], float("-inf")).repeat(group, 1)
 
 
 # Decode and verify steps (up to MAX_POSITIONED_TOKENS new tokens per sequence) go the
@@ -128,7 +129,7 @@ class SdpaBackend:
                 continue
             qs = q[span.q_start:span.q_start + n].view(n, hkv, group, dh).permute(1, 2, 0, 3)
             qs = qs.reshape(hkv, group * n, dh)  # rows: (group, position)
-            mask = None if span.mask is None else _folded_mask(span, group, q.dtype)
+            mask = None if n == 1 else _folded_mask(span, group, q.dtype, q.device)
             if len(span.kv_runs) == 1:
                 run = span.kv_runs[0]
                 out = F.scaled_dot_product_attention(qs[None], k_all[None, :, run], v_all[None, :, run],
@@ -141,12 +142,10 @@ class SdpaBackend:
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
-def _folded_mask(span: SequenceSpan, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The span's mask for GQA-folded rows, as scores to add (SDPA's fused CPU kernel takes
-    these as they are; a boolean mask it converts on every call), once per forward."""
+def _folded_mask(span: SequenceSpan, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The span's causal mask for GQA-folded rows, once per forward (not once per layer)."""
     if span.folded_mask is None:
-        scores = torch.zeros(span.mask.shape, dtype=dtype, device=span.mask.device)
-        span.folded_mask = scores.masked_fill(~span.mask, float("-inf")).repeat(group, 1)
+        span.folded_mask = _causal_scores(0, span.ctx_len, span.ctx_len - span.q_len, span.q_len, group, dtype, device)
     return span.folded_mask
 
 
@@ -194,11 +193,7 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
             parts.append(_attend_with_lse(rows, k_all.index_select(1, slots[a:b]), v_all.index_select(1, slots[a:b])))
     window = slots[start:start + WINDOW]
     window = torch.cat([window, window[-1:].expand(WINDOW - window.numel())])  # padding, masked below
-    keys = torch.arange(start, start + WINDOW, device=q.device)
-    positions = torch.arange(first, first + m, device=q.device)
-    mask = torch.zeros(m, WINDOW, dtype=q.dtype, device=q.device)
-    mask = mask.masked_fill(keys[None, :] > positions[:, None], float("-inf")).repeat(group, 1)
-    mask = F.pad(mask, (0, 0, 0, MAX_POSITIONED_ROWS - real))
+    mask = F.pad(_causal_scores(start, WINDOW, first, m, group, q.dtype, q.device), (0, 0, 0, MAX_POSITIONED_ROWS - real))
     parts.append(_attend_with_lse(rows, k_all.index_select(1, window), v_all.index_select(1, window), mask))
     out = parts[0][0] if len(parts) == 1 else _merge(parts, q.dtype)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlite_ray.runtime.config import ModelConfig
-from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
+from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear, freeze_linears
 
 # (q [..., Hq, Dh], k [..., Hkv, Dh], v [..., Hkv, Dh]) -> out [..., Hq, Dh]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -75,14 +75,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         # Set by freeze(): one q/k/v linear instead of three (CPU decode is one weight read per call).
         self.qkv: FrozenLinear | None = None
-        self.out: FrozenLinear | None = None
 
     def freeze(self) -> None:
         """Inference only: fuse q/k/v and fix the weights (packed for the CPU where that pays)."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         bias = _fuse_into_views(projs, "bias") if self.q_proj.bias is not None else None
         self.qkv = freeze_linear(_fuse_into_views(projs, "weight"), bias)
-        self.out = freeze_linear(self.o_proj.weight)
+        freeze_linears(self.o_proj)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:
@@ -100,8 +99,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attend(q, k, v)
-        project = self.o_proj if self.out is None else self.out
-        return project(out.reshape(*lead, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -111,17 +109,16 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.gate_up: FrozenLinear | None = None  # set by freeze()
-        self.down: FrozenLinear | None = None
 
     def freeze(self) -> None:
         self.gate_up = freeze_linear(_fuse_into_views((self.gate_proj, self.up_proj), "weight"))
-        self.down = freeze_linear(self.down_proj.weight)
+        freeze_linears(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 from dlite_ray.runtime.attention import AttentionMetadata, FlashAttnBackend, SdpaBackend
 from dlite_ray.runtime.config import ModelConfig
-from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
+from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary
 
@@ -48,7 +48,6 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.head: FrozenLinear | None = None  # set by freeze()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache, backend: SdpaBackend | FlashAttnBackend) -> ForwardOutput:
@@ -64,7 +63,7 @@ class TargetModel(nn.Module):
             if want_taps and i in batch.tap_layers:
                 taps[i] = x.index_select(0, batch.tap_indices)
         last = self.norm(x.index_select(0, batch.logit_indices))
-        logits = (self.lm_head if self.head is None else self.head)(last).float()
+        logits = self.lm_head(last).float()
         stacked = torch.stack([taps[i] for i in batch.tap_layers], dim=1) if want_taps else None
         return ForwardOutput(logits, stacked)
 
@@ -74,7 +73,7 @@ class TargetModel(nn.Module):
         for layer in self.layers:
             layer.self_attn.freeze()
             layer.mlp.freeze()
-        self.head = freeze_linear(self.lm_head.weight)
+        freeze_linears(self.lm_head)
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights: features are only valid for the weights that made them."""
