@@ -40,13 +40,14 @@ class DLiteSequentialHead(nn.Module):
         return z * state + (1 - z) * torch.tanh(cand)
 
     def logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        # state: [N, R], u: [N, D] -> [N, V]
+        # state: [..., R], u: [..., D] -> [..., V]
         return self.output_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
 
     def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V]."""
-        out = []
+        states = []
         for k in range(u.shape[1]):
             state = self.advance(state, prev_tokens[:, k])
-            out.append(self.logits(state, u[:, k]))
-        return torch.stack(out, dim=1)
+            states.append(state)
+        # One vocabulary projection for the whole block (the loop only carries R-wide states).
+        return self.logits(torch.stack(states, dim=1), u)

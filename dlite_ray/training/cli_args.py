@@ -21,8 +21,15 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--multi-turn", type=int, default=12, help="multi-turn BFCL conversations (long histories)")
     p.add_argument("--code-tasks", type=int, default=None, help="stdlib code tasks (default 2 x --per-source)")
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--extend-from", default=None,
-                   help="reuse an earlier --out's data (its dev split stays the dev split) and add new prompts")
+    p.add_argument("--extend-from", nargs="+", default=None, metavar="DIR",
+                   help="reuse earlier runs' data and add new prompts: the first DIR's train and dev "
+                        "splits (its dev split stays the dev split), then every DIR's data_extra.pt")
+    p.add_argument("--new-prompts", type=int, default=None, help="with --extend-from: at most this many new prompts")
+    p.add_argument("--data-dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="the target's dtype while it answers the prompts and records features "
+                        "(bfloat16 is faster on AMX / AVX-512 bf16 CPUs; features are stored in bf16 either way)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start the student from this draft checkpoint (same shape) instead of random weights")
     p.add_argument("--teacher-steps", type=int, default=0,
                    help="stage-0 sliding-window teacher steps (0 = one-stage student, CE + TV only)")
     p.add_argument("--window", type=int, default=64, help="teacher: positions of history before the pivot")

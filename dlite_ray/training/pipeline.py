@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.scheduler import SchedulerConfig
@@ -40,6 +41,21 @@ def new_draft(engine: DLiteEngine, layers: int, slots: int, rank: int, block_siz
     for p in draft.embed_tokens.parameters():
         p.requires_grad_(False)
     return draft
+
+
+def init_weights(draft: DLiteDraftModel, directory: Path) -> None:
+    """Start from a saved draft (e.g. to train the shipped one further on more data)."""
+    state = load_file(directory / "model.safetensors")
+    expected = draft.checkpoint_state()
+    if set(state) != set(expected) or any(state[k].shape != v.shape for k, v in expected.items()):
+        raise ValueError(f"{directory}: not a draft of this shape (--layers/--slots/--rank/--block-size)")
+    draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    log.info("student starts from %s", directory)
+
+
+def _target_engine(target: str | None, dtype: str) -> DLiteEngine:
+    return DLiteEngine.from_pretrained(target, draft=None, dtype=dtype,
+                                       scheduler=SchedulerConfig(max_num_seqs=32, max_batch_tokens=2048))
 
 
 def _target_hf_config(engine: DLiteEngine) -> dict:
@@ -70,17 +86,28 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
     return result["train"], result["dev"]
 
 
+def earlier_data(dirs: list[str]) -> tuple[list, list]:
+    """(train, dev) of earlier runs (`--extend-from`): the first run's splits plus every
+    run's data_extra.pt (train only)."""
+    base = Path(dirs[0])
+    train_records, dev_records = load_records(base / "data_train.pt"), load_records(base / "data_dev.pt")
+    for d in dirs:
+        if (Path(d) / "data_extra.pt").exists():
+            train_records = train_records + load_records(Path(d) / "data_extra.pt")
+    return train_records, dev_records
+
+
 def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[int, ...], args) -> list:
-    """More training data on top of an earlier run's (`--extend-from`): prompts whose
-    tokens match none of the earlier run's sequences (train or dev), train split only;
-    the earlier dev split stays the dev split, so nothing leaks into it."""
+    """More training data on top of earlier runs' (`--extend-from`): prompts whose tokens
+    match none of the earlier sequences (train or dev), train split only; the earlier dev
+    split stays the dev split, so nothing leaks into it."""
     path = out / "data_extra.pt"
     if path.exists():
         return load_records(path)
     seen = {tuple(r.tokens[:r.start + 1].tolist()) for r in have}
     bigger = build_prompt_set(args.seed, args.per_source, multi_turn=0, code_tasks=args.code_tasks)
     new = [s for s in bigger.train + bigger.dev
-           if not s.later_turns and tuple(engine.encode(s.messages)) not in seen]
+           if not s.later_turns and tuple(engine.encode(s.messages)) not in seen][:args.new_prompts]
     log.info("extra prompts, new to this target's data: %d", len(new))
     records = extract_records(engine, generate_conversations(engine, new, args.max_new_tokens), tap_layers)
     save_records(records, path)
@@ -118,18 +145,20 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    engine = DLiteEngine.from_pretrained(args.target, draft=None, scheduler=SchedulerConfig(
-        max_num_seqs=32, max_batch_tokens=2048))
+    engine = data_engine = _target_engine(args.target, "float32")
+    if args.data_dtype != "float32":
+        data_engine = _target_engine(args.target, args.data_dtype)
     draft = new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed)
+    if args.init_from:
+        init_weights(draft, Path(args.init_from))
     tap_layers = tuple(draft.cfg.target_layer_ids)
     log.info("draft: %d layers, S=%d %s, R=%d, %.1fM trainable parameters", args.layers, len(tap_layers),
              list(tap_layers), args.rank, sum(p.numel() for p in draft.checkpoint_state().values()) / 1e6)
     if args.extend_from:
-        base = Path(args.extend_from)
-        train_records, dev_records = load_records(base / "data_train.pt"), load_records(base / "data_dev.pt")
-        train_records = train_records + extend_data(engine, out, train_records + dev_records, tap_layers, args)
+        train_records, dev_records = earlier_data(args.extend_from)
+        train_records = train_records + extend_data(data_engine, out, train_records + dev_records, tap_layers, args)
     else:
-        train_records, dev_records = build_data(engine, out, tap_layers, args)
+        train_records, dev_records = build_data(data_engine, out, tap_layers, args)
     log.info("training on %d positions, dev %d", sum(r.argmax.numel() for r in train_records),
              sum(r.argmax.numel() for r in dev_records))
     k = args.block_size - 1

@@ -6,7 +6,14 @@ import math
 
 import torch
 
-from dlite_ray.training.losses import cosine_lr, cross_entropy, kl_divergence, position_weights, total_variation_topk
+from dlite_ray.training.losses import (
+    cosine_lr,
+    cross_entropy,
+    kl_divergence,
+    log_probabilities,
+    position_weights,
+    total_variation_topk,
+)
 
 
 def test_position_weights_decay_and_average_one():
@@ -19,7 +26,7 @@ def test_position_weights_decay_and_average_one():
 def test_cross_entropy_by_hand():
     logits = torch.tensor([[[0.0, math.log(3.0)]]])  # p = [1/4, 3/4]
     labels = torch.tensor([[1]])
-    got = cross_entropy(logits, labels, torch.ones(1))
+    got = cross_entropy(log_probabilities(logits), labels, torch.ones(1))
     assert abs(got.item() + math.log(0.75)) < 1e-6
 
 
@@ -28,7 +35,7 @@ def test_total_variation_with_a_tail_bucket():
     top_ids = torch.tensor([[[0, 2]]])
     top_probs = torch.tensor([[[0.6, 0.1]]])  # target tail (token 1) = 0.3
     # |0.5-0.6| + |0.2-0.1| + |(1-0.7) - (1-0.7)| = 0.2
-    got = total_variation_topk(logits, top_ids, top_probs, torch.ones(1))
+    got = total_variation_topk(log_probabilities(logits), top_ids, top_probs, torch.ones(1))
     assert abs(got.item() - 0.2) < 1e-6
 
 

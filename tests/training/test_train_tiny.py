@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training.batches import all_anchors, make_batch
 from dlite_ray.training.data import Record, extract_records, load_records, save_records
+from dlite_ray.training.pipeline import init_weights
 from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
 from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import make_engine, random_draft
@@ -77,3 +79,17 @@ def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
                        bf16_autocast=False)
     resumed = train(student_objective(draft, cfg2), records, anchors, records, anchors, 7, cfg2, tmp_path / "run")
     assert resumed["history"][-1]["step"] == 70 and len(resumed["history"]) == 70
+
+
+def test_init_from_a_saved_draft(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    target, hf = load_target(d), read_config(d)
+    saved = random_draft(target, hf, seed=0)
+    saved.save(tmp_path / "draft")
+    fresh = random_draft(target, hf, seed=1)
+    init_weights(fresh, tmp_path / "draft")
+    for name, value in saved.checkpoint_state().items():
+        # saved in bf16: the start is the checkpoint, rounded as it was written
+        torch.testing.assert_close(fresh.checkpoint_state()[name], value.to(torch.bfloat16).float())
+    with pytest.raises(ValueError, match="not a draft of this shape"):
+        init_weights(random_draft(target, hf, rank=16), tmp_path / "draft")
