@@ -22,7 +22,13 @@ from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.training.batches import all_anchors
-from dlite_ray.training.data import dataset_bytes, extract_records, generate_conversations, load_records, save_records
+from dlite_ray.training.data import (
+    dataset_bytes,
+    extract_records,
+    generate_conversations,
+    load_records,
+    save_records,
+)
 from dlite_ray.training.prompts import build_prompt_set
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
 from dlite_ray.training.trainer import TrainConfig, student_objective, train
@@ -77,13 +83,28 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
     log.info("prompts: %d train, %d dev", len(prompts.train), len(prompts.dev))
     result = {}
     for split, samples in (("train", prompts.train), ("dev", prompts.dev)):
-        convs = generate_conversations(engine, samples, args.max_new_tokens)
-        records = extract_records(engine, convs, tap_layers)
-        save_records(records, paths[split])
+        records = records_in_parts(engine, samples, paths[split], tap_layers, args.max_new_tokens)
         log.info("%s: %d sequences, %d positions, %.1f MB", split, len(records),
                  sum(r.argmax.numel() for r in records), dataset_bytes(records) / 1e6)
         result[split] = records
     return result["train"], result["dev"]
+
+
+def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers: tuple[int, ...],
+                     max_new_tokens: int, part_size: int = 128) -> list:
+    """Replies and features for `samples`, saved every `part_size` prompts next to `path`
+    so an interrupted run resumes at the last finished part; `path` holds them all at the end."""
+    records = []
+    for i in range(0, len(samples), part_size):
+        part = path.with_name(f"{path.stem}.part{i // part_size:03d}.pt")
+        if not part.exists():
+            convs = generate_conversations(engine, samples[i:i + part_size], max_new_tokens)
+            save_records(extract_records(engine, convs, tap_layers), part)
+        records += load_records(part)
+    save_records(records, path)
+    for part in path.parent.glob(f"{path.stem}.part*.pt"):
+        part.unlink()
+    return records
 
 
 def earlier_data(dirs: list[str]) -> tuple[list, list]:
@@ -109,8 +130,7 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     new = [s for s in bigger.train + bigger.dev
            if not s.later_turns and tuple(engine.encode(s.messages)) not in seen][:args.new_prompts]
     log.info("extra prompts, new to this target's data: %d", len(new))
-    records = extract_records(engine, generate_conversations(engine, new, args.max_new_tokens), tap_layers)
-    save_records(records, path)
+    records = records_in_parts(engine, new, path, tap_layers, args.max_new_tokens)
     log.info("extra: %d sequences, %d positions, %.1f MB", len(records), sum(r.argmax.numel() for r in records),
              dataset_bytes(records) / 1e6)
     return records

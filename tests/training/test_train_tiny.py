@@ -10,6 +10,7 @@ import torch
 
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import load_target
+from dlite_ray.training import pipeline
 from dlite_ray.training.batches import all_anchors, make_batch
 from dlite_ray.training.data import Record, extract_records, load_records, save_records
 from dlite_ray.training.pipeline import init_weights
@@ -93,3 +94,30 @@ def test_init_from_a_saved_draft(tmp_path):
         torch.testing.assert_close(fresh.checkpoint_state()[name], value.to(torch.bfloat16).float())
     with pytest.raises(ValueError, match="not a draft of this shape"):
         init_weights(random_draft(target, hf, rank=16), tmp_path / "draft")
+
+
+def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
+    asked = []
+
+    def answer(engine, samples, max_new_tokens):
+        if len(asked) == 1 and not getattr(answer, "restarted", False):
+            raise KeyboardInterrupt  # the run dies during its second part
+        asked.append(list(samples))
+        return [([s, s + 1], 1) for s in samples]
+
+    def features(engine, convs, taps):
+        return [Record(torch.tensor(ids, dtype=torch.int32), 0, torch.zeros(2, 1, 4, dtype=torch.bfloat16),
+                       torch.tensor(ids, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
+                       torch.ones(2, 1, dtype=torch.float16)) for ids, _ in convs]
+
+    monkeypatch.setattr(pipeline, "generate_conversations", answer)
+    monkeypatch.setattr(pipeline, "extract_records", features)
+    path = tmp_path / "data_extra.pt"
+    with pytest.raises(KeyboardInterrupt):
+        pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, (0,), 8, part_size=2)
+    answer.restarted = True
+    records = pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, (0,), 8, part_size=2)
+    assert asked == [[10, 20], [30, 40], [50]]  # the first part was not answered again
+    assert [r.tokens[0].item() for r in records] == [10, 20, 30, 40, 50]
+    assert [r.tokens[0].item() for r in load_records(path)] == [10, 20, 30, 40, 50]
+    assert not list(tmp_path.glob("*.part*"))
