@@ -93,7 +93,9 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
 def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers: tuple[int, ...],
                      max_new_tokens: int, part_size: int = 128) -> list:
     """Replies and features for `samples`, saved every `part_size` prompts next to `path`
-    so an interrupted run resumes at the last finished part; `path` holds them all at the end."""
+    so an interrupted run resumes at the last finished part; `path` holds them all at the end.
+    Parts are numbered by their place in `samples`, so a rerun must ask for the same prompts
+    (same prompt arguments); other prompts need a fresh --out."""
     records = []
     for i in range(0, len(samples), part_size):
         part = path.with_name(f"{path.stem}.part{i // part_size:03d}.pt")
