@@ -8,7 +8,7 @@ flash-attn on CUDA when importable, else SDPA.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,17 @@ class SequenceSpan:
     kv_runs: list[slice]  # the context as runs of consecutive slots
     kv_slots: torch.Tensor | None = None  # [ctx_len] slots, built by the first layer that gathers
     folded_mask: torch.Tensor | None = None  # causal mask per GQA-folded row (prefill), built once
+    window_reads: dict[int, WindowReads] = field(default_factory=dict)  # by a call's first position
+
+
+@dataclass(slots=True)
+class WindowReads:
+    """Where one position-exact call reads its keys: the same in every layer of a forward,
+    so it is worked out by the first layer only."""
+
+    chunks: list[slice | torch.Tensor]  # before the window: a view's slots, or the slots to gather
+    window: torch.Tensor  # [WINDOW] slots, padded with the last one
+    mask: torch.Tensor  # [MAX_POSITIONED_ROWS, WINDOW] additive: -inf after each row's position
 
 
 @dataclass(slots=True)
@@ -182,21 +193,35 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     real = group * m
     rows = q.view(m, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, real, dh)
     rows = F.pad(rows, (0, 0, 0, MAX_POSITIONED_ROWS - real))
-    slots = _context_slots(span, q.device)
-    parts = []
-    for a in range(0, start, CHUNK):
-        b = min(start, a + CHUNK)
-        run = _inside_one_run(span.kv_runs, a, b)
-        if run is not None:  # a view, no copy
-            parts.append(_attend_with_lse(rows, k_all[:, run], v_all[:, run]))
-        else:
-            parts.append(_attend_with_lse(rows, k_all.index_select(1, slots[a:b]), v_all.index_select(1, slots[a:b])))
-    window = slots[start:start + WINDOW]
-    window = torch.cat([window, window[-1:].expand(WINDOW - window.numel())])  # padding, masked below
-    mask = F.pad(_causal_scores(start, WINDOW, first, m, group, q.dtype, q.device), (0, 0, 0, MAX_POSITIONED_ROWS - real))
-    parts.append(_attend_with_lse(rows, k_all.index_select(1, window), v_all.index_select(1, window), mask))
+    reads = _window_reads(span, start, first, m, group, q.dtype, q.device)
+    parts = [_attend_with_lse(rows, *_read(k_all, v_all, chunk)) for chunk in reads.chunks]
+    parts.append(_attend_with_lse(rows, *_read(k_all, v_all, reads.window), reads.mask))
     out = parts[0][0] if len(parts) == 1 else _merge(parts, q.dtype)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
+
+
+def _window_reads(span: SequenceSpan, start: int, first: int, m: int, group: int, dtype: torch.dtype,
+                  device: torch.device) -> WindowReads:
+    """The reads of the call whose m rows start at position `first` (window from `start`)."""
+    if first not in span.window_reads:
+        slots = _context_slots(span, device)
+        chunks = []
+        for a in range(0, start, CHUNK):
+            b = min(start, a + CHUNK)
+            run = _inside_one_run(span.kv_runs, a, b)
+            chunks.append(run if run is not None else slots[a:b])  # a view when it can be, no copy
+        window = slots[start:start + WINDOW]
+        window = torch.cat([window, window[-1:].expand(WINDOW - window.numel())])  # padding, masked below
+        mask = F.pad(_causal_scores(start, WINDOW, first, m, group, dtype, device),
+                     (0, 0, 0, MAX_POSITIONED_ROWS - group * m))
+        span.window_reads[first] = WindowReads(chunks, window, mask)
+    return span.window_reads[first]
+
+
+def _read(k_all: torch.Tensor, v_all: torch.Tensor, slots: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(slots, slice):
+        return k_all[:, slots], v_all[:, slots]
+    return k_all.index_select(1, slots), v_all.index_select(1, slots)
 
 
 def _inside_one_run(runs: list[slice], a: int, b: int) -> slice | None:
