@@ -5,9 +5,11 @@ the anchor token, and learns the target's next K greedy tokens. Many anchors of 
 sequences go in one pass as independent rows [N, S + 1 + K]: attention never crosses rows,
 which is the block-diagonal mask of the reference training code without the padding.
 
+Anchors inside the prompt (records that start before the last prompt token) carry a
+`chain_mask`: a label counts only while the text before it follows the target's greedy chain.
+
 The stage-0 teacher also gets a window of the W positions before each pivot (their
-recorded features, left-padded where the response is younger than W, with a validity mask).
-Records start at the last prompt token, so the window covers the response only.
+recorded features, left-padded where the record is younger than W, with a validity mask).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Batch:
     anchors: torch.Tensor  # [N, 1]
     prev_tokens: torch.Tensor  # [N, K]: d_0 = anchor, then the labels (teacher forcing)
     labels: torch.Tensor  # [N, K]
+    label_mask: torch.Tensor  # [N, K] float: 1 where the label is the greedy chain's (`chain_mask`)
     top_ids: torch.Tensor  # [N, K, k]
     top_probs: torch.Tensor  # [N, K, k]
     history: torch.Tensor | None = None  # [N, W, F, D]: F fused layers at the W positions before the pivot
@@ -43,11 +46,12 @@ def all_anchors(records: list[Record], k: int) -> list[tuple[int, int]]:
 
 def make_batch(records: list[Record], anchors: list[tuple[int, int]], k: int, window: int = 0,
                history_slots: tuple[int, ...] = ()) -> Batch:
-    feats, anc, labels, top_i, top_p = [], [], [], [], []
+    feats, anc, texts, labels, top_i, top_p = [], [], [], [], [], []
     for r, j in anchors:
         rec = records[r]
         feats.append(rec.features[j])
         anc.append(rec.tokens[rec.start + j + 1])
+        texts.append(rec.tokens[rec.start + j + 2:rec.start + j + 1 + k])
         # argmax[j + m] is the target's token after relative position j + m
         labels.append(rec.argmax[j + 1:j + 1 + k])
         top_i.append(rec.top_ids[j + 1:j + 1 + k])
@@ -55,10 +59,22 @@ def make_batch(records: list[Record], anchors: list[tuple[int, int]], k: int, wi
     anchors_t = torch.stack(anc).long()[:, None]
     labels_t = torch.stack(labels).long()
     batch = Batch(torch.stack(feats).float(), anchors_t, torch.cat([anchors_t, labels_t[:, :-1]], dim=1),
-                  labels_t, torch.stack(top_i), torch.stack(top_p))
+                  labels_t, chain_mask(torch.stack(texts).long(), labels_t), torch.stack(top_i), torch.stack(top_p))
     if window > 0:
         batch.history, batch.history_valid = history_window(records, anchors, window, history_slots)
     return batch
+
+
+def chain_mask(text: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """[N, K] 1.0 where label m is the greedy chain's, else 0.0.
+
+    text [N, K-1]: the recorded tokens after the anchor; labels [N, K]: the target's greedy
+    token after each of them. Label m was chosen after text[:m], so it continues the chain
+    d_1..d_m the draft feeds its head only if text[:m] == labels[:m]. Always true in a
+    target reply; in the prompt it holds until the text first departs from what the target
+    would have said."""
+    same = (text == labels[:, :-1]).long().cumprod(dim=1)
+    return torch.cat([torch.ones_like(labels[:, :1]), same], dim=1).float()
 
 
 def history_window(records: list[Record], anchors: list[tuple[int, int]], window: int,

@@ -31,7 +31,7 @@ from dlite_ray.training.data import (
 )
 from dlite_ray.training.prompts import build_prompt_set
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
-from dlite_ray.training.trainer import TrainConfig, student_objective, train
+from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,9 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
     log.info("prompts: %d train, %d dev", len(prompts.train), len(prompts.dev))
     result = {}
     for split, samples in (("train", prompts.train), ("dev", prompts.dev)):
-        records = records_in_parts(engine, samples, paths[split], tap_layers, args.max_new_tokens)
+        # dev measures drafting where it happens: in replies only
+        prompt_positions = args.prompt_positions if split == "train" else 0
+        records = records_in_parts(engine, samples, paths[split], tap_layers, args.max_new_tokens, prompt_positions)
         log.info("%s: %d sequences, %d positions, %.1f MB", split, len(records),
                  sum(r.argmax.numel() for r in records), dataset_bytes(records) / 1e6)
         result[split] = records
@@ -91,7 +93,7 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
 
 
 def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers: tuple[int, ...],
-                     max_new_tokens: int, part_size: int = 128) -> list:
+                     max_new_tokens: int, prompt_positions: int = 0, part_size: int = 128) -> list:
     """Replies and features for `samples`, saved every `part_size` prompts next to `path`
     so an interrupted run resumes at the last finished part; `path` holds them all at the end.
     Parts are numbered by their place in `samples`, so a rerun must ask for the same prompts
@@ -101,7 +103,7 @@ def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers:
         part = path.with_name(f"{path.stem}.part{i // part_size:03d}.pt")
         if not part.exists():
             convs = generate_conversations(engine, samples[i:i + part_size], max_new_tokens)
-            save_records(extract_records(engine, convs, tap_layers), part)
+            save_records(extract_records(engine, convs, tap_layers, prompt_positions=prompt_positions), part)
         records += load_records(part)
     save_records(records, path)
     for part in path.parent.glob(f"{path.stem}.part*.pt"):
@@ -132,7 +134,7 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     new = [s for s in bigger.train + bigger.dev
            if not s.later_turns and tuple(engine.encode(s.messages)) not in seen][:args.new_prompts]
     log.info("extra prompts, new to this target's data: %d", len(new))
-    records = records_in_parts(engine, new, path, tap_layers, args.max_new_tokens)
+    records = records_in_parts(engine, new, path, tap_layers, args.max_new_tokens, args.prompt_positions)
     log.info("extra: %d sequences, %d positions, %.1f MB", len(records), sum(r.argmax.numel() for r in records),
              dataset_bytes(records) / 1e6)
     return records
@@ -187,6 +189,9 @@ def run(args) -> dict:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       weight_decay=args.weight_decay)
     data = (train_records, all_anchors(train_records, k), dev_records, all_anchors(dev_records, k), k)
+    if args.init_from:
+        start_dev = greedy_acceptance(student_objective(draft, cfg), *data[2:])
+        log.info("dev tau %.3f before training (%s)", start_dev["tau"], args.init_from)
     if args.teacher_steps > 0:
         summary = train_two_stage(engine, draft, data, cfg, out, args)
     else:
@@ -194,6 +199,8 @@ def run(args) -> dict:
     draft.save(out / "draft")
     if args.export:
         draft.save(args.export)
+    if args.init_from:
+        summary["initial_dev"] = start_dev
     summary["total_seconds"] = time.perf_counter() - started
     summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / "summary.json").write_text(json.dumps({k_: v for k_, v in summary.items() if k_ != "history"}, indent=2))

@@ -62,7 +62,7 @@ def blend_objective(student: DLiteDraftModel, teacher: WindowTeacher, cfg: Train
         with torch.no_grad():
             teacher.eval()
             target = teacher.head_logits(batch)
-        w = position_weights(logits.shape[1], cfg.gamma, logits.device)
+        w = position_weights(logits.shape[1], cfg.gamma, logits.device) * batch.label_mask
         kl = kl_divergence(target, logits, w)
         direct, parts = distillation_loss(logits, batch, cfg)
         alpha = blend_weight(progress)

@@ -76,7 +76,7 @@ def draft_logits(draft: DLiteDraftModel, batch: Batch, history: HistoryWindow | 
 
 def distillation_loss(logits: torch.Tensor, batch: Batch, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
     """CE on the target's greedy labels + TV against its top-k, decayed by block position."""
-    w = position_weights(logits.shape[1], cfg.gamma, logits.device)
+    w = position_weights(logits.shape[1], cfg.gamma, logits.device) * batch.label_mask
     log_probs = log_probabilities(logits)
     ce = cross_entropy(log_probs, batch.labels, w)
     tv = total_variation_topk(log_probs, batch.top_ids, batch.top_probs, w)
@@ -98,7 +98,8 @@ def greedy_acceptance(objective: Objective, records: list[Record], anchors: list
     accepted, per_pos = [], torch.zeros(k)
     for i in range(0, len(anchors), batch_size):
         batch = objective.batch(records, anchors[i:i + batch_size], k)
-        hits = (objective.logits(batch).argmax(-1) == batch.labels).long().cumprod(dim=1)
+        # a label off the greedy chain (prompt text) ends the block: what follows is unknown
+        hits = ((objective.logits(batch).argmax(-1) == batch.labels) & (batch.label_mask > 0)).long().cumprod(dim=1)
         accepted.append(hits.sum(1))
         per_pos += hits.sum(0).float()
     objective.model.train()

@@ -7,14 +7,23 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training import pipeline
-from dlite_ray.training.batches import all_anchors, make_batch
+from dlite_ray.training.batches import all_anchors, chain_mask, make_batch
 from dlite_ray.training.data import Record, extract_records, load_records, save_records
 from dlite_ray.training.pipeline import init_weights
-from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
+from dlite_ray.training.trainer import (
+    Objective,
+    TrainConfig,
+    distillation_loss,
+    draft_logits,
+    greedy_acceptance,
+    student_objective,
+    train,
+)
 from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import make_engine, random_draft
 
@@ -46,6 +55,20 @@ def test_records_hold_target_greedy_labels(tmp_path):
     assert torch.equal(again[0].features, records[0].features)
 
 
+def test_records_can_reach_back_into_the_prompt(tmp_path):
+    _target, draft, engine, convs = _records(tmp_path)
+    taps = tuple(draft.cfg.target_layer_ids)
+    replies = extract_records(engine, convs, taps)
+    records = extract_records(engine, convs, taps, prompt_positions=4)
+    for rec, reply, (ids, prompt_len) in zip(records, replies, convs):
+        assert rec.start == max(0, prompt_len - 5)
+        n = reply.argmax.numel()
+        assert rec.argmax.numel() == len(ids) - rec.start
+        # the reply positions hold what the reply-only record holds
+        assert torch.equal(rec.argmax[-n:], reply.argmax)
+        torch.testing.assert_close(rec.features[-n:].float(), reply.features.float(), atol=0.02, rtol=0.02)
+
+
 def test_batch_layout():
     rec = Record(torch.arange(20, dtype=torch.int32), 9, torch.randn(11, 2, 4).to(torch.bfloat16),
                  torch.arange(100, 111, dtype=torch.int32), torch.zeros(11, 3, dtype=torch.int32),
@@ -57,6 +80,39 @@ def test_batch_layout():
     assert b.labels.tolist() == [[103, 104, 105]]  # the target's next tokens after the anchor
     assert b.prev_tokens.tolist() == [[12, 103, 104]]  # teacher forcing: anchor, then labels
     torch.testing.assert_close(b.features[0], rec.features[2].float())
+    # the text (13, 14) is not the target's chain (103, 104): only the first label holds
+    assert b.label_mask.tolist() == [[1.0, 0.0, 0.0]]
+
+
+def test_chain_mask_keeps_labels_until_the_text_leaves_the_greedy_chain():
+    labels = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
+    text = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7]])  # the recorded tokens after the anchor
+    assert chain_mask(text, labels).tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]]
+
+
+def test_off_chain_labels_neither_train_nor_count_as_accepted(tmp_path):
+    _target, draft, engine, convs = _records(tmp_path)
+    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    cfg = TrainConfig(bf16_autocast=False)
+    batch = make_batch(records, all_anchors(records, 3)[:8], k=3)
+    assert batch.label_mask.eq(1).all()  # a target reply is its own greedy chain
+    logits = draft_logits(draft, batch)
+    loss, _ = distillation_loss(logits, batch, cfg)
+    batch.label_mask[:, 2] = 0
+    masked, _ = distillation_loss(logits, batch, cfg)
+    batch.labels[:, 2] = (batch.labels[:, 2] + 1) % 128
+    batch.top_ids[:, 2] = (batch.top_ids[:, 2] + 1) % 128
+    relabelled, _ = distillation_loss(logits, batch, cfg)
+    assert masked < loss and torch.equal(masked, relabelled)  # the masked label plays no part
+    # acceptance: the draft is made to hit every label; a masked one ends the block
+    hit = Objective(draft, None, lambda b: F.one_hot(b.labels, 128).float())
+    everything = greedy_acceptance(hit, records, all_anchors(records, 3), 3)
+    assert everything["tau"] == 4.0
+    for rec in records:
+        rec.tokens = rec.tokens.clone()
+        rec.tokens[rec.start + 3] = (rec.tokens[rec.start + 3] + 1) % 128  # the text leaves the chain
+    first = [(r, 0) for r in range(len(records))]
+    assert greedy_acceptance(hit, records, first, 3)["per_position"] == [1.0, 1.0, 0.0]
 
 
 def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
@@ -105,7 +161,7 @@ def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
         asked.append(list(samples))
         return [([s, s + 1], 1) for s in samples]
 
-    def features(engine, convs, taps):
+    def features(engine, convs, taps, prompt_positions=0):
         return [Record(torch.tensor(ids, dtype=torch.int32), 0, torch.zeros(2, 1, 4, dtype=torch.bfloat16),
                        torch.tensor(ids, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
                        torch.ones(2, 1, dtype=torch.float16)) for ids, _ in convs]
