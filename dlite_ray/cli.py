@@ -43,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="DLite vs plain decoding vs transformers' methods, side by side")
     bench.add_argument("--workload", default="dev", help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
-                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle")
+                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, dlite-b")
     bench.add_argument("--target", default=None)
     bench.add_argument("--draft", default="default")
+    bench.add_argument("--draft-b", default="default",
+                       help="the draft of method dlite-b, to compare two drafts in one run (default: the shipped one)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     bench.add_argument("--limit", type=int, default=6, help="prompts per workload")
     bench.add_argument("--max-new-tokens", type=int, default=96)

@@ -19,10 +19,10 @@ from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes,
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
-from dlite_ray.engine.engine import DTYPES, DLiteEngine
+from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir, load_draft
 
 log = logging.getLogger(__name__)
-ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache")
+ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b")
 ASSISTANT_LAYERS = 6
 
 
@@ -91,6 +91,10 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
+        elif name == "dlite-b":  # another draft (--draft-b) on the same target: two drafts side by side
+            draft_b = default_draft_dir() if args.draft_b == "default" else args.draft_b
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer,
+                                                           load_draft(draft_b, dlite.target, args.dtype)))
         elif name == "dlite-nocache":  # the same draft, no prefix cache / stored boundaries
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            enable_prefix_cache=False))

@@ -49,6 +49,13 @@ class StepOutput:
         return self.seq.is_finished
 
 
+def load_draft(path: str | Path, target: TargetModel, dtype: str = "float32",
+               device: str = "cpu") -> InProcessDraftTransport:
+    """A draft checkpoint for `target`, drafting in this process."""
+    drafter = DLiteDraftModel.load(path, target.embed_tokens, target.cfg.num_layers, DTYPES[dtype], device)
+    return InProcessDraftTransport(drafter, checkpoint_fingerprint(path))
+
+
 class DLiteEngine:
     """Target + paged KV + scheduler + draft transport. `add_request` / `step` / `abort`
     drive it one ragged forward at a time (the server's API); `generate` runs a batch."""
@@ -101,10 +108,7 @@ class DLiteEngine:
             draft_path = default_draft_dir() if target is None else None
             if target is not None:
                 log.info("no default draft for a custom target: plain decoding (pass draft=PATH)")
-        transport = None
-        if draft_path is not None:
-            drafter = DLiteDraftModel.load(draft_path, model.embed_tokens, model.cfg.num_layers, DTYPES[dtype], device)
-            transport = InProcessDraftTransport(drafter, checkpoint_fingerprint(draft_path))
+        transport = None if draft_path is None else load_draft(draft_path, model, dtype, device)
         return cls(model, tokenizer, transport, attention_backend=attention_backend, **engine_kwargs)
 
     # -- prompts --------------------------------------------------------------------------

@@ -76,3 +76,22 @@ def test_result_schema_and_report(tmp_path):
 
 def test_kv_draft_memory_grows_with_context():
     assert draft_kv_bytes(6, 3, 64, 2048) == 2 * draft_kv_bytes(6, 3, 64, 1024)
+
+
+def test_dlite_b_drafts_with_the_other_checkpoint_on_the_same_target(tmp_path):
+    from dlite_ray.bench.runner import build_methods
+    from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
+    from tests.conftest import make_tiny_checkpoint, read_config
+    from tests.engine.conftest import make_engine, random_draft
+
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    target = load_target(d)
+    random_draft(target, read_config(d), seed=1).save(tmp_path / "a")
+    random_draft(target, read_config(d), seed=2).save(tmp_path / "b")
+    a = make_engine(target, random_draft(target, read_config(d), seed=1))
+    methods = build_methods(["dlite", "dlite-b"], a, make_engine(target), {},
+                            SimpleNamespace(draft_b=str(tmp_path / "b"), dtype="float32"))
+    b = methods["dlite-b"].engine
+    assert b.target is target and b.draft.info.fingerprint == checkpoint_fingerprint(tmp_path / "b")
+    assert b.generate([5, 6, 7], max_new_tokens=6)[0].token_ids == make_engine(target).generate(
+        [5, 6, 7], max_new_tokens=6)[0].token_ids  # another draft, the same greedy output
