@@ -36,11 +36,16 @@ class Batch:
 
 
 def all_anchors(records: list[Record], k: int) -> list[tuple[int, int]]:
-    """(record, relative pivot j) for every pivot with K labels after it."""
+    """(record, relative pivot j) for every pivot with K labels after it whose anchor is the
+    target's greedy token there, as every anchor is when drafting at T = 0. That holds all
+    through a reply, but for a position where the feature pass rounded to another argmax
+    than generation did (bf16), and in prompt text only where the text says what the target
+    would have said."""
     out = []
     for r, rec in enumerate(records):
         n = rec.argmax.shape[0]
-        out += [(r, j) for j in range(n - k)]
+        greedy = (rec.tokens[rec.start + 1:rec.start + 1 + n - k] == rec.argmax[:n - k]).tolist()
+        out += [(r, j) for j in range(n - k) if greedy[j]]
     return out
 
 

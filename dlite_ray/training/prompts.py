@@ -95,8 +95,26 @@ class PromptSet:
     dev: list[PromptSample]
 
 
-def build_prompt_set(seed: int = 0, per_source: int = 40, dev_fraction: float = 0.15,
-                     multi_turn: int = 12, code_tasks: int | None = None) -> PromptSet:
+BASE_PER_SOURCE, BASE_MULTI_TURN = 40, 12
+
+
+def build_prompt_set(seed: int = 0, per_source: int = BASE_PER_SOURCE, dev_fraction: float = 0.15,
+                     multi_turn: int = BASE_MULTI_TURN, code_tasks: int | None = None) -> PromptSet:
+    """The dev split is always `dev_fraction` of the base set (the seed's sample at the
+    default sizes), whatever sizes are asked for: drafts trained on larger sets are measured
+    on the same held-out prompts, and no set trains on them. The train split is the asked-for
+    sample minus those prompts."""
+    base = _sample(seed, BASE_PER_SOURCE, BASE_MULTI_TURN, None)
+    n_dev = max(4, int(len(base) * dev_fraction))
+    dev = base[:n_dev]
+    if (per_source, multi_turn, code_tasks) == (BASE_PER_SOURCE, BASE_MULTI_TURN, None):
+        return PromptSet(train=base[n_dev:], dev=dev)
+    held_out = {_key(s) for s in dev}
+    return PromptSet(train=[s for s in _sample(seed, per_source, multi_turn, code_tasks) if _key(s) not in held_out],
+                     dev=dev)
+
+
+def _sample(seed: int, per_source: int, multi_turn: int, code_tasks: int | None) -> list[PromptSample]:
     rng = random.Random(seed)
     data = bfcl_data_dir()
     samples = [PromptSample(f"chat-{i}", "chat", [{"role": "user", "content": t}])
@@ -107,8 +125,12 @@ def build_prompt_set(seed: int = 0, per_source: int = 40, dev_fraction: float = 
     samples += rng.sample(_bfcl_multi_turn(data), multi_turn)
     samples += stdlib_code_tasks(rng, per_source * 2 if code_tasks is None else code_tasks)
     rng.shuffle(samples)
-    n_dev = max(4, int(len(samples) * dev_fraction))
-    return PromptSet(train=samples[n_dev:], dev=samples[:n_dev])
+    return samples
+
+
+def _key(sample: PromptSample) -> str:
+    # ids repeat across code tasks of one module; the messages say what the prompt is
+    return json.dumps([sample.messages, sample.later_turns])
 
 
 def bfcl_data_dir() -> Path:

@@ -70,18 +70,24 @@ def test_records_can_reach_back_into_the_prompt(tmp_path):
 
 
 def test_batch_layout():
-    rec = Record(torch.arange(20, dtype=torch.int32), 9, torch.randn(11, 2, 4).to(torch.bfloat16),
-                 torch.arange(100, 111, dtype=torch.int32), torch.zeros(11, 3, dtype=torch.int32),
-                 torch.ones(11, 3, dtype=torch.float16) / 3)
+    # positions 9..19 of the text 0..19; the target's greedy token after position p is p + 1
+    # (the text is its own greedy chain) except after position 14, where it would say 99
+    argmax = torch.arange(10, 21, dtype=torch.int32)
+    argmax[5] = 99
+    rec = Record(torch.arange(20, dtype=torch.int32), 9, torch.randn(11, 2, 4).to(torch.bfloat16), argmax,
+                 torch.zeros(11, 3, dtype=torch.int32), torch.ones(11, 3, dtype=torch.float16) / 3)
     anchors = all_anchors([rec], k=3)
-    assert anchors[0] == (0, 0) and anchors[-1] == (0, 7)
+    # every pivot with 3 labels after it, but 14: its anchor (15) is not what the target says there
+    assert anchors == [(0, j) for j in range(8) if j != 5]
     b = make_batch([rec], [(0, 2)], k=3)
     assert b.anchors.tolist() == [[12]]  # pivot at position 11, anchor token 12
-    assert b.labels.tolist() == [[103, 104, 105]]  # the target's next tokens after the anchor
-    assert b.prev_tokens.tolist() == [[12, 103, 104]]  # teacher forcing: anchor, then labels
+    assert b.labels.tolist() == [[13, 14, 99]]  # the target's next tokens after the anchor
+    assert b.prev_tokens.tolist() == [[12, 13, 14]]  # teacher forcing: anchor, then labels
     torch.testing.assert_close(b.features[0], rec.features[2].float())
-    # the text (13, 14) is not the target's chain (103, 104): only the first label holds
-    assert b.label_mask.tolist() == [[1.0, 0.0, 0.0]]
+    assert b.label_mask.tolist() == [[1.0, 1.0, 1.0]]  # 99 still follows the chain 12, 13, 14
+    b = make_batch([rec], [(0, 3)], k=3)
+    # labels 14, 99, 16: the text says 15 where the target says 99, so 16 (chosen after 15) is off the chain
+    assert b.labels.tolist() == [[14, 99, 16]] and b.label_mask.tolist() == [[1.0, 1.0, 0.0]]
 
 
 def test_chain_mask_keeps_labels_until_the_text_leaves_the_greedy_chain():
