@@ -28,9 +28,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="the target's dtype while it answers the prompts and records features "
                         "(bfloat16 is faster on AMX / AVX-512 bf16 CPUs; features are stored in bf16 either way)")
-    p.add_argument("--prompt-positions", type=int, default=0,
-                   help="also learn from up to this many prompt positions before each reply (train split; "
-                        "labels count only while the prompt text follows the target's greedy chain)")
     p.add_argument("--init-from", default=None, metavar="DIR",
                    help="start the student from this draft checkpoint (same shape) instead of random weights")
     p.add_argument("--teacher-steps", type=int, default=0,

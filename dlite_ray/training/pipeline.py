@@ -83,9 +83,7 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
     log.info("prompts: %d train, %d dev", len(prompts.train), len(prompts.dev))
     result = {}
     for split, samples in (("train", prompts.train), ("dev", prompts.dev)):
-        # dev measures drafting where it happens: in replies only
-        prompt_positions = args.prompt_positions if split == "train" else 0
-        records = records_in_parts(engine, samples, paths[split], tap_layers, args.max_new_tokens, prompt_positions)
+        records = records_in_parts(engine, samples, paths[split], tap_layers, args.max_new_tokens)
         log.info("%s: %d sequences, %d positions, %.1f MB", split, len(records),
                  sum(r.argmax.numel() for r in records), dataset_bytes(records) / 1e6)
         result[split] = records
@@ -93,7 +91,7 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
 
 
 def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers: tuple[int, ...],
-                     max_new_tokens: int, prompt_positions: int = 0, part_size: int = 128) -> list:
+                     max_new_tokens: int, part_size: int = 128) -> list:
     """Replies and features for `samples`, saved every `part_size` prompts next to `path`
     so an interrupted run resumes at the last finished part; `path` holds them all at the end.
     Parts are numbered by their place in `samples`, so a rerun must ask for the same prompts
@@ -103,7 +101,7 @@ def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers:
         part = path.with_name(f"{path.stem}.part{i // part_size:03d}.pt")
         if not part.exists():
             convs = generate_conversations(engine, samples[i:i + part_size], max_new_tokens)
-            save_records(extract_records(engine, convs, tap_layers, prompt_positions=prompt_positions), part)
+            save_records(extract_records(engine, convs, tap_layers), part)
         records += load_records(part)
     save_records(records, path)
     for part in path.parent.glob(f"{path.stem}.part*.pt"):
@@ -134,7 +132,7 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     new = [s for s in bigger.train + bigger.dev
            if not s.later_turns and tuple(engine.encode(s.messages)) not in seen][:args.new_prompts]
     log.info("extra prompts, new to this target's data: %d", len(new))
-    records = records_in_parts(engine, new, path, tap_layers, args.max_new_tokens, args.prompt_positions)
+    records = records_in_parts(engine, new, path, tap_layers, args.max_new_tokens)
     log.info("extra: %d sequences, %d positions, %.1f MB", len(records), sum(r.argmax.numel() for r in records),
              dataset_bytes(records) / 1e6)
     return records

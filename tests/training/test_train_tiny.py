@@ -55,20 +55,6 @@ def test_records_hold_target_greedy_labels(tmp_path):
     assert torch.equal(again[0].features, records[0].features)
 
 
-def test_records_can_reach_back_into_the_prompt(tmp_path):
-    _target, draft, engine, convs = _records(tmp_path)
-    taps = tuple(draft.cfg.target_layer_ids)
-    replies = extract_records(engine, convs, taps)
-    records = extract_records(engine, convs, taps, prompt_positions=4)
-    for rec, reply, (ids, prompt_len) in zip(records, replies, convs):
-        assert rec.start == max(0, prompt_len - 5)
-        n = reply.argmax.numel()
-        assert rec.argmax.numel() == len(ids) - rec.start
-        # the reply positions hold what the reply-only record holds
-        assert torch.equal(rec.argmax[-n:], reply.argmax)
-        torch.testing.assert_close(rec.features[-n:].float(), reply.features.float(), atol=0.02, rtol=0.02)
-
-
 def test_batch_layout():
     # positions 9..19 of the text 0..19; the target's greedy token after position p is p + 1
     # (the text is its own greedy chain) except after position 14, where it would say 99
