@@ -129,7 +129,7 @@ def _sample(seed: int, per_source: int, multi_turn: int, code_tasks: int | None)
 
 
 def _key(sample: PromptSample) -> str:
-    # ids repeat across code tasks of one module; the messages say what the prompt is
+    # code-task ids are numbered by place in one sample, so they may name another prompt in another
     return json.dumps([sample.messages, sample.later_turns])
 
 

@@ -98,7 +98,7 @@ def greedy_acceptance(objective: Objective, records: list[Record], anchors: list
     accepted, per_pos = [], torch.zeros(k)
     for i in range(0, len(anchors), batch_size):
         batch = objective.batch(records, anchors[i:i + batch_size], k)
-        # a label off the greedy chain (prompt text) ends the block: what follows is unknown
+        # a label off the greedy chain (bf16 rounding) ends the block: what would follow is unknown
         hits = ((objective.logits(batch).argmax(-1) == batch.labels) & (batch.label_mask > 0)).long().cumprod(dim=1)
         accepted.append(hits.sum(1))
         per_pos += hits.sum(0).float()
