@@ -153,7 +153,7 @@ def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
         asked.append(list(samples))
         return [([s, s + 1], 1) for s in samples]
 
-    def features(engine, convs, taps, prompt_positions=0):
+    def features(engine, convs, taps):
         return [Record(torch.tensor(ids, dtype=torch.int32), 0, torch.zeros(2, 1, 4, dtype=torch.bfloat16),
                        torch.tensor(ids, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
                        torch.ones(2, 1, dtype=torch.float16)) for ids, _ in convs]
