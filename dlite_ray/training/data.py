@@ -46,7 +46,7 @@ class Record:
 
 
 def generate_conversations(engine: DLiteEngine, samples: list[PromptSample], max_new_tokens: int,
-                           batch_size: int = 32) -> list[tuple[list[int], int]]:
+                           batch_size: int = 64) -> list[tuple[list[int], int]]:
     """(token ids of prompt + target reply, prompt length) for every turn of every sample."""
     out: list[tuple[list[int], int]] = []
     single = [s for s in samples if not s.later_turns]

@@ -60,8 +60,10 @@ def init_weights(draft: DLiteDraftModel, directory: Path) -> None:
 
 
 def _target_engine(target: str | None, dtype: str) -> DLiteEngine:
+    # 64 replies in flight: 1.25x the reply tokens/s of 32 on 128 BFCL/code prompts in bf16
+    # (207 -> 166 s); a 4096-token step budget did not help (177 s).
     return DLiteEngine.from_pretrained(target, draft=None, dtype=dtype,
-                                       scheduler=SchedulerConfig(max_num_seqs=32, max_batch_tokens=2048))
+                                       scheduler=SchedulerConfig(max_num_seqs=64, max_batch_tokens=2048))
 
 
 def _target_hf_config(engine: DLiteEngine) -> dict:
