@@ -188,10 +188,12 @@ def run(args) -> dict:
     k = args.block_size - 1
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       weight_decay=args.weight_decay)
-    data = (train_records, all_anchors(train_records, k), dev_records, all_anchors(dev_records, k), k)
-    if args.init_from:
-        start_dev = greedy_acceptance(student_objective(draft, cfg), *data[2:])
-        log.info("dev tau %.3f before training (%s)", start_dev["tau"], args.init_from)
+    dev_anchors = all_anchors(dev_records, k)
+    data = (train_records, all_anchors(train_records, k), dev_records, dev_anchors, k)
+    initial_dev = None
+    if args.init_from:  # so a drop from continued training shows at the first eval, not the last
+        initial_dev = greedy_acceptance(student_objective(draft, cfg), dev_records, dev_anchors, k)
+        log.info("dev tau %.3f before training (%s)", initial_dev["tau"], args.init_from)
     if args.teacher_steps > 0:
         summary = train_two_stage(engine, draft, data, cfg, out, args)
     else:
@@ -199,8 +201,8 @@ def run(args) -> dict:
     draft.save(out / "draft")
     if args.export:
         draft.save(args.export)
-    if args.init_from:
-        summary["initial_dev"] = start_dev
+    if initial_dev is not None:
+        summary["initial_dev"] = initial_dev
     summary["total_seconds"] = time.perf_counter() - started
     summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / "summary.json").write_text(json.dumps({k_: v for k_, v in summary.items() if k_ != "history"}, indent=2))

@@ -105,13 +105,11 @@ def build_prompt_set(seed: int = 0, per_source: int = BASE_PER_SOURCE, dev_fract
     on the same held-out prompts, and no set trains on them. The train split is the asked-for
     sample minus those prompts."""
     base = _sample(seed, BASE_PER_SOURCE, BASE_MULTI_TURN, None)
-    n_dev = max(4, int(len(base) * dev_fraction))
-    dev = base[:n_dev]
-    if (per_source, multi_turn, code_tasks) == (BASE_PER_SOURCE, BASE_MULTI_TURN, None):
-        return PromptSet(train=base[n_dev:], dev=dev)
+    dev = base[:max(4, int(len(base) * dev_fraction))]
+    is_base = (per_source, multi_turn, code_tasks) == (BASE_PER_SOURCE, BASE_MULTI_TURN, None)
+    sample = base if is_base else _sample(seed, per_source, multi_turn, code_tasks)
     held_out = {_key(s) for s in dev}
-    return PromptSet(train=[s for s in _sample(seed, per_source, multi_turn, code_tasks) if _key(s) not in held_out],
-                     dev=dev)
+    return PromptSet(train=[s for s in sample if _key(s) not in held_out], dev=dev)
 
 
 def _sample(seed: int, per_source: int, multi_turn: int, code_tasks: int | None) -> list[PromptSample]:

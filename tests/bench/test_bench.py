@@ -9,8 +9,11 @@ import pytest
 
 from dlite_ray.bench.methods import Run, draft_kv_bytes
 from dlite_ray.bench.report import write_report
-from dlite_ray.bench.runner import _overall, _ratios, measure
+from dlite_ray.bench.runner import _overall, _ratios, build_methods, measure
 from dlite_ray.bench.workloads import load_workload
+from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
+from tests.conftest import make_tiny_checkpoint, read_config
+from tests.engine.conftest import make_engine, random_draft
 
 
 def test_jsonl_workload_and_errors(tmp_path):
@@ -79,11 +82,6 @@ def test_kv_draft_memory_grows_with_context():
 
 
 def test_dlite_b_drafts_with_the_other_checkpoint_on_the_same_target(tmp_path):
-    from dlite_ray.bench.runner import build_methods
-    from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
-    from tests.conftest import make_tiny_checkpoint, read_config
-    from tests.engine.conftest import make_engine, random_draft
-
     d = make_tiny_checkpoint(tmp_path / "t", "llama")
     target = load_target(d)
     random_draft(target, read_config(d), seed=1).save(tmp_path / "a")
