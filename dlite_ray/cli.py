@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="DLite vs plain decoding vs transformers' methods, side by side")
     bench.add_argument("--workload", default="dev", help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
-                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, dlite-b")
+                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, dlite-b, "
+                            "dlite-nolookup (the draft without context lookup), lookup (context lookup alone)")
     bench.add_argument("--target", default=None)
     bench.add_argument("--draft", default="default")
     bench.add_argument("--draft-b", default="default",
@@ -104,6 +105,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-draft-tokens", type=int, default=7)
     p.add_argument("--verify-block-size", type=int, default=None)
+    p.add_argument("--lookup-tokens", type=int, default=None,
+                   help="most tokens copied from the context per round (default 15 with a draft, 0 with none)")
 
 
 def _engine(args):
@@ -112,7 +115,7 @@ def _engine(args):
     draft = None if args.draft == "none" else args.draft
     return DLiteEngine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype,
                                        num_draft_tokens=args.num_draft_tokens,
-                                       verify_block_size=args.verify_block_size)
+                                       verify_block_size=args.verify_block_size, lookup_tokens=args.lookup_tokens)
 
 
 def cmd_generate(args) -> int:

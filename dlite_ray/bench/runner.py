@@ -19,10 +19,12 @@ from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes,
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
+from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir, load_draft
 
 log = logging.getLogger(__name__)
-ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b")
+ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
+               "dlite-nolookup", "lookup")
 ASSISTANT_LAYERS = 6
 
 
@@ -51,8 +53,9 @@ def run(args) -> dict:
         levels = [int(c) for c in str(args.concurrency).split(",")]
         items = [ids for w in prompts.values() for _, _, ids in w]
         # no prefix cache here: every level pays its own prefill, as fresh requests would
-        engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, enable_prefix_cache=False)
-                   for name, draft in (("dlite", dlite.draft), ("ar", None))}
+        lookup = dlite.decoder.lookup.max_tokens
+        engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=n, enable_prefix_cache=False)
+                   for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
         results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
     out = Path(args.out)
     write_report(results, out)
@@ -88,16 +91,23 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         from dlite_ray.runtime.model_store import default_model_dir
 
         hf = AutoModelForCausalLM.from_pretrained(args.target or default_model_dir(), dtype=DTYPES[args.dtype]).eval()
+    lookup = dlite.decoder.lookup.max_tokens  # context lookup as in `dlite`, unless the method is about it
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
         elif name == "dlite-b":  # another draft (--draft-b) on the same target: two drafts side by side
             draft_b = default_draft_dir() if args.draft_b == "default" else args.draft_b
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer,
-                                                           load_draft(draft_b, dlite.target, args.dtype)))
+                                                           load_draft(draft_b, dlite.target, args.dtype),
+                                                           lookup_tokens=lookup))
         elif name == "dlite-nocache":  # the same draft, no prefix cache / stored boundaries
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
-                                                           enable_prefix_cache=False))
+                                                           lookup_tokens=lookup, enable_prefix_cache=False))
+        elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft))
+        elif name == "lookup":  # tokens copied from the context alone: no DLite draft
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, None,
+                                                           lookup_tokens=DEFAULT_LOOKUP_TOKENS))
         elif name == "ar":
             methods[name] = EngineMethod(name, ar)
         elif name == "oracle":
@@ -131,7 +141,8 @@ def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dic
                 "decode_tps": statistics.median(r.decode_tps for r in rs),
                 "e2e_tps": statistics.median(r.e2e_tps for r in rs),
                 "ttft_s": statistics.median(r.ttft_s for r in rs),
-                "accept_lengths": r0.accept_lengths, "position_accepts": r0.position_accepts,
+                "accept_lengths": r0.accept_lengths, "copied_rounds": r0.copied_rounds,
+                "position_accepts": r0.position_accepts,
                 "position_trials": r0.position_trials,
                 "draft_time": statistics.median(r.draft_time for r in rs),
                 "verify_time": statistics.median(r.verify_time for r in rs),
@@ -144,6 +155,7 @@ def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dic
 
 def summarize(rows: list[dict]) -> dict:
     lengths = [a for r in rows for a in r["accept_lengths"]]
+    copied = [c for r in rows for c in r["copied_rounds"]]
     k = max((len(r["position_trials"]) for r in rows), default=0)
     accepts = [sum(r["position_accepts"][j] for r in rows if len(r["position_accepts"]) > j) for j in range(k)]
     trials = [sum(r["position_trials"][j] for r in rows if len(r["position_trials"]) > j) for j in range(k)]
@@ -151,11 +163,19 @@ def summarize(rows: list[dict]) -> dict:
         "tokens_per_second": statistics.median(r["decode_tps"] for r in rows),
         "e2e_tokens_per_second": statistics.median(r["e2e_tps"] for r in rows),
         "ttft_s": statistics.median(r["ttft_s"] for r in rows),
-        "mean_accept_length": sum(lengths) / len(lengths) if lengths else None,
+        "mean_accept_length": _mean(lengths),
+        # rounds that copied from the context vs rounds the DLite draft drafted
+        "copied_round_share": _mean(copied),
+        "mean_accept_length_copied": _mean([a for a, c in zip(lengths, copied) if c]),
+        "mean_accept_length_drafted": _mean([a for a, c in zip(lengths, copied) if not c]),
         "per_position_acceptance": [a / t if t else None for a, t in zip(accepts, trials)],
         "greedy_mismatches": sum(1 for r in rows if r["matches_ar"] is False),
         "per_prompt": rows,
     }
+
+
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]], levels: list[int],
@@ -230,5 +250,11 @@ def _print_table(results: dict) -> None:
             cells.append(f"{per[n]['tokens_per_second']:>10.1f}" + (f" ({tau:4.2f})" if tau else " " * 7))
         print(f"{w:<14}" + "".join(f"{c:>18}" for c in cells))
     print("ratios: " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()))
+    for n, m in results["methods"].items():
+        if m.get("copied_round_share"):
+            drafted = m["mean_accept_length_drafted"]
+            print(f"{n}: {m['copied_round_share']:.0%} of rounds copied from the context (tau "
+                  f"{m['mean_accept_length_copied']:.2f}), the rest drafted (tau "
+                  + (f"{drafted:.2f})" if drafted else "-)"))
     mism = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
     print(f"greedy outputs differing from plain decoding: {mism or 'none'}")

@@ -10,15 +10,17 @@ from typing import Any
 
 import torch
 
-from dlite_ray.constants import DEFAULT_MAX_KV_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, KV_BLOCK_SIZE
+from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_KV_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, KV_BLOCK_SIZE
 from dlite_ray.engine.block_manager import OutOfBlocks
 from dlite_ray.engine.boundary_store import BoundaryStore
+from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
+from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.runtime.target_model import TargetModel
@@ -62,7 +64,8 @@ class DLiteEngine:
 
     def __init__(self, target: TargetModel, tokenizer, draft: DraftTransport | None, *,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, verify_block_size: int | None = None,
-                 adaptive_draft_length: bool = True, max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
+                 adaptive_draft_length: bool = True, lookup_tokens: int = 0,
+                 max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
                  block_size: int = KV_BLOCK_SIZE, attention_backend: str = "auto", enable_prefix_cache: bool = True,
                  scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64):
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
@@ -75,12 +78,16 @@ class DLiteEngine:
             if verify_block_size < 1:
                 raise InvalidRequest(f"verify_block_size={verify_block_size} must be >= 1")
             k = min(k, verify_block_size - 1)  # never draft what the verify window would drop
+            lookup_tokens = min(lookup_tokens, verify_block_size - 1)
+        if not 0 <= lookup_tokens < MAX_POSITIONED_TOKENS:
+            # longer verify rows would be attended another way and could round differently
+            raise InvalidRequest(f"lookup_tokens={lookup_tokens} must lie in [0, {MAX_POSITIONED_TOKENS - 1}]")
         self.policy = SpeculationPolicy(k, adaptive=adaptive_draft_length)
-        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy)
+        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, ContextLookup(lookup_tokens))
         self.target_fingerprint = target.fingerprint()
         self.draft_fingerprint = draft.info.fingerprint if draft else "none"
         self.boundaries = BoundaryStore(self.runner.blocks, boundary_capacity) if enable_prefix_cache else None
-        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.runner.blocks, lookahead=k + 1,
+        self.scheduler = Scheduler(scheduler or SchedulerConfig(), self.runner.blocks, lookahead=max(k, lookup_tokens) + 1,
                                    admit=self._admit, evict=self._evict_cached, release=self.runner.release)
         self._by_id: dict[str, Sequence] = {}
         self._lease_of: dict[str, str] = {}  # request id -> the conversation lease it ends under
@@ -88,9 +95,11 @@ class DLiteEngine:
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = "default", *,
                         device: str = "cpu", dtype: str = "float32", attention_backend: str = "auto",
-                        **engine_kwargs) -> DLiteEngine:
+                        lookup_tokens: int | None = None, **engine_kwargs) -> DLiteEngine:
         """target: HF directory or .gguf (None = embedded SmolLM2-135M-Instruct);
-        draft: checkpoint directory, "default" (the shipped draft) or None (plain decoding)."""
+        draft: checkpoint directory, "default" (the shipped draft) or None (plain decoding);
+        lookup_tokens: most tokens copied from the context per round (None: 15 with a
+        draft, 0 without, so draft=None is plain decoding)."""
         from transformers import AutoTokenizer  # heavy
 
         from dlite_ray.runtime.model_store import default_model_dir
@@ -109,7 +118,10 @@ class DLiteEngine:
             if target is not None:
                 log.info("no default draft for a custom target: plain decoding (pass draft=PATH)")
         transport = None if draft_path is None else load_draft(draft_path, model, dtype, device)
-        return cls(model, tokenizer, transport, attention_backend=attention_backend, **engine_kwargs)
+        if lookup_tokens is None:
+            lookup_tokens = DEFAULT_LOOKUP_TOKENS if transport is not None else 0
+        return cls(model, tokenizer, transport, attention_backend=attention_backend, lookup_tokens=lookup_tokens,
+                   **engine_kwargs)
 
     # -- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -276,6 +288,7 @@ def stats_dict(seq: Sequence) -> dict[str, Any]:
     tps = after_first / st.decode_wall_time if st.decode_wall_time > 0 else 0.0
     return {
         "accept_lengths": st.accept_lengths,
+        "copied_rounds": st.copied_rounds,
         "mean_accept_length": st.mean_accept_length,
         "position_accepts": st.position_accepts,
         "position_trials": st.position_trials,

@@ -57,8 +57,9 @@ class Status(enum.Enum):
 @dataclass(slots=True)
 class SequenceStats:
     accept_lengths: list[int] = field(default_factory=list)  # A + 1 per round
-    position_accepts: list[int] = field(default_factory=list)  # [k] rounds whose draft k was accepted
-    position_trials: list[int] = field(default_factory=list)  # [k] rounds that drafted position k
+    copied_rounds: list[bool] = field(default_factory=list)  # per round: tokens copied from the context
+    position_accepts: list[int] = field(default_factory=list)  # [k] DLite rounds whose draft k was accepted
+    position_trials: list[int] = field(default_factory=list)  # [k] DLite rounds that drafted position k
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -68,8 +69,11 @@ class SequenceStats:
     cached_prompt_tokens: int = 0  # prompt positions found in the prefix cache
     resumed_from_boundary: bool = False  # KV and pivot features reused with no target recompute
 
-    def record_round(self, num_drafted: int, accepted: int) -> None:
+    def record_round(self, num_drafted: int, accepted: int, copied: bool = False) -> None:
         self.accept_lengths.append(accepted + 1)
+        self.copied_rounds.append(copied)
+        if copied:
+            return  # per-position acceptance describes the DLite draft
         while len(self.position_trials) < num_drafted:
             self.position_trials.append(0)
             self.position_accepts.append(0)

@@ -1,10 +1,11 @@
 """One engine step: the DLite round for every decoding row, prefill chunks alongside
 (REFERENCE.md section 1).
 
-Per step: draft K_i tokens for every speculating row in one draft call, run prefill
-chunks and [anchor, d_1..d_K_i] verify rows in one ragged target forward, accept per
-row, commit A_i + 1 tokens, crop each row's KV to n_i + A_i + 1, and take the next pivot
-features from the verify pass at index A_i. Rows with K_i = 0 decode plainly.
+Per step: rows whose last tokens occurred earlier in their context copy what followed
+there (`context_lookup.py`); the others draft K_i tokens in one draft call. Then prefill
+chunks and [anchor, d_1..d_K_i] verify rows run in one ragged target forward; each row
+accepts A_i, commits A_i + 1 tokens, crops its KV to n_i + A_i + 1, and takes its next
+pivot features from the verify pass at index A_i. Rows with K_i = 0 decode plainly.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, DraftUnavailable
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
 from dlite_ray.engine.scheduler import Schedule
@@ -37,14 +39,21 @@ log = logging.getLogger(__name__)
 
 class SpecDecoder:
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
-                 policy: SpeculationPolicy):
+                 policy: SpeculationPolicy, lookup: ContextLookup | None = None):
         self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
+        self.lookup = lookup or ContextLookup(0)
 
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
         step_started = time.perf_counter()
         decodes = schedule.decodes
-        ks = self.policy.choose(decodes, [self._max_draft(s) for s in decodes], len(schedule.prefills))
+        copies = [self.lookup.propose(s, self._room(s)) for s in decodes]
+        caps = [0 if copied else self._max_draft(s) for s, copied in zip(decodes, copies)]
+        ks = self.policy.choose(decodes, caps, len(schedule.prefills))
         drafts, q_probs, draft_time, ks = self._propose(decodes, ks)
+        drafted_ks = list(ks)  # the DLite draft's rows only: what the policy learns from
+        for i, copied in enumerate(copies):
+            if copied:
+                drafts[i], ks[i] = copied, len(copied)
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
         rows += [RowInput(s, [s.anchor] + drafts[i], num_outputs=k + 1) for i, (s, k) in enumerate(zip(decodes, ks))]
         accepted_l: list[int] = []
@@ -52,9 +61,10 @@ class SpecDecoder:
         with _timer(self.runner.device) as t:
             outs = self.runner.forward(rows)
             if decodes:
-                accepted, next_tokens = self._verify(decodes, ks, drafts, q_probs, outs[len(schedule.prefills):])
+                modes = [_verify_mode(s, bool(copied)) for s, copied in zip(decodes, copies)]
+                accepted, next_tokens = self._verify(decodes, modes, ks, drafts, q_probs, outs[len(schedule.prefills):])
                 accepted_l, next_l = accepted.tolist(), next_tokens.tolist()  # the step's one host sync
-        self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, draft_time, ks, accepted_l)
+        self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, draft_time, drafted_ks, accepted_l)
         for (seq, n), out in zip(schedule.prefills, outs):
             self.runner.commit(seq, seq.num_computed + n)
             seq.stats.prefill_time += t.elapsed
@@ -71,24 +81,27 @@ class SpecDecoder:
             st = seq.stats
             if st.first_token_time is None:
                 st.first_token_time = now
-            st.record_round(ks[i], a)
-            self.policy.record(seq, ks[i], a)
+            st.record_round(ks[i], a, copied=bool(copies[i]))
+            self.policy.record(seq, drafted_ks[i], a)
             st.draft_time += draft_time
             st.verify_time += t.elapsed
             st.decode_wall_time = now - st.first_token_time
             st.last_token_time = now
-        if decodes and not schedule.prefills:
+        if decodes and not schedule.prefills and not any(copies):  # measures the DLite draft against none
             self.policy.observe_step(len(decodes), ks, sum(accepted_l) + len(decodes),
                                      time.perf_counter() - step_started)
         return emitted
 
+    def _room(self, seq: Sequence) -> int:
+        """The most tokens a round can verify after the anchor: within the output budget and the context."""
+        remaining = seq.params.max_new_tokens - seq.num_outputs
+        return max(0, min(remaining - 1, self.runner.max_context - seq.num_computed - 1))
+
     def _max_draft(self, seq: Sequence) -> int:
-        """The most tokens worth drafting: within the limit, the output budget and the context."""
+        """The most tokens worth drafting: within the draft's limit and the room."""
         if self.draft is None or (seq.pivot_features is None and self.draft.info.target_layer_ids):
             return 0
-        remaining = seq.params.max_new_tokens - seq.num_outputs
-        room = self.runner.max_context - seq.num_computed - 1
-        return max(0, min(self.draft.info.max_draft_tokens, remaining - 1, room))
+        return min(self.draft.info.max_draft_tokens, self._room(seq))
 
     def _propose(self, seqs: list[Sequence], ks: list[int]):
         """Draft for the rows with k > 0 in one call; returns (drafts, q, seconds, the ks
@@ -119,7 +132,7 @@ class SpecDecoder:
         q_probs = {i: proposal.probs[j, :ks[i]] for j, i in enumerate(rows)} if proposal.probs is not None else None
         return drafts, q_probs, t.elapsed, ks
 
-    def _verify(self, seqs, ks, drafts, q_probs, outs: list[RowOutput]):
+    def _verify(self, seqs: list[Sequence], modes: list[str], ks, drafts, q_probs, outs: list[RowOutput]):
         width = max(ks) + 1
         logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
         draft_t = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], dtype=torch.long,
@@ -128,7 +141,7 @@ class SpecDecoder:
         accepted = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
         next_tokens = torch.zeros_like(accepted)
         for mode in (GREEDY, REJECTION, MATCH):
-            idx = [i for i, s in enumerate(seqs) if s.params.mode == mode]
+            idx = [i for i, m in enumerate(modes) if m == mode]
             if not idx:
                 continue
             it = torch.tensor(idx, device=logits.device)
@@ -145,6 +158,13 @@ class SpecDecoder:
                     a, t = verify_rejection(p, q, draft_t[it], num[it], rs.generators)
             accepted[it], next_tokens[it] = a, t
         return accepted, next_tokens
+
+
+def _verify_mode(seq: Sequence, copied: bool) -> str:
+    """Copied tokens have no draft distribution: a sampled row checks them against the
+    target's own samples (match mode), which is exact for any draft chosen without sampling."""
+    mode = seq.params.mode
+    return MATCH if copied and mode == REJECTION else mode
 
 
 def _token_group(ids: list[int], g: int) -> list[int]:

@@ -17,6 +17,9 @@ class EngineArgs(BaseModel):
     attention_backend: Literal["auto", "sdpa", "flash_attn"] = Field("auto", description="target attention kernel")
     num_draft_tokens: int = Field(7, ge=0, le=32, description="K: most tokens drafted per round")
     adaptive_draft_length: bool = Field(True, description="choose K per request and step from measured costs")
+    lookup_tokens: int | None = Field(
+        None, ge=0, le=15, description="most tokens copied from the context per round instead of drafted; "
+                                       "null = 15 with a draft, 0 without; 0 = off")
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
     disaggregated_draft: bool = Field(True, description="run the draft in its own actor (bundle 1) over torch.distributed")
     draft_timeout_s: float = Field(30.0, gt=0, description="a draft round slower than this fails over to plain decoding")

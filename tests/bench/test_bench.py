@@ -9,7 +9,7 @@ import pytest
 
 from dlite_ray.bench.methods import Run, draft_kv_bytes
 from dlite_ray.bench.report import write_report
-from dlite_ray.bench.runner import _overall, _ratios, build_methods, measure
+from dlite_ray.bench.runner import _overall, _ratios, build_methods, measure, summarize
 from dlite_ray.bench.workloads import load_workload
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from tests.conftest import make_tiny_checkpoint, read_config
@@ -93,3 +93,24 @@ def test_dlite_b_drafts_with_the_other_checkpoint_on_the_same_target(tmp_path):
     assert b.target is target and b.draft.info.fingerprint == checkpoint_fingerprint(tmp_path / "b")
     assert b.generate([5, 6, 7], max_new_tokens=6)[0].token_ids == make_engine(target).generate(
         [5, 6, 7], max_new_tokens=6)[0].token_ids  # another draft, the same greedy output
+
+
+def test_copied_rounds_are_summarised_apart_from_drafted_ones():
+    rows = [{"accept_lengths": [4, 2, 6], "copied_rounds": [True, False, True], "position_accepts": [1],
+             "position_trials": [1], "decode_tps": 1.0, "e2e_tps": 1.0, "ttft_s": 0.1, "matches_ar": True}]
+    s = summarize(rows)
+    assert s["mean_accept_length"] == 4.0
+    assert s["copied_round_share"] == pytest.approx(2 / 3)
+    assert (s["mean_accept_length_copied"], s["mean_accept_length_drafted"]) == (5.0, 2.0)
+
+
+def test_lookup_methods_take_one_drafter_each(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    target = load_target(d)
+    dlite = make_engine(target, random_draft(target, read_config(d)), lookup_tokens=15)
+    methods = build_methods(["dlite-nolookup", "lookup"], dlite, make_engine(target), {},
+                            SimpleNamespace(dtype="float32"))
+    alone = methods["dlite-nolookup"].engine
+    assert alone.draft is dlite.draft and alone.decoder.lookup.max_tokens == 0
+    copying = methods["lookup"].engine
+    assert copying.draft is None and copying.decoder.lookup.max_tokens == 15

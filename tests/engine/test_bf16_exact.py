@@ -49,3 +49,15 @@ def test_oracle_draft_always_accepted(bf16_target, plain):
     for prompt, expected in zip(PROMPTS, plain, strict=True):
         out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
         assert out.token_ids == expected and out.stats["mean_accept_length"] > 4
+
+
+def test_copied_rows_of_sixteen_tokens_stay_exact(bf16_target):
+    """Context lookup verifies up to 16 tokens a row: still the position-exact path."""
+    prompts = [p + p[:len(p) // 2] for p in PROMPTS]  # the first round copies 15 tokens
+    plain = make_engine(bf16_target, enable_prefix_cache=False)
+    spec = make_engine(bf16_target, lookup_tokens=15, enable_prefix_cache=False)
+    for prompt in prompts:
+        expected = plain.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids
+        out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
+        assert out.token_ids == expected
+        assert out.stats["copied_rounds"][0]

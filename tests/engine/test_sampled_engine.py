@@ -23,14 +23,14 @@ def small_vocab(tmp_path_factory):
     return target, random_draft(target, read_config(d), seed=3, block_size=4)
 
 
-def _target_second_token_distribution(target, temperature):
+def _target_second_token_distribution(target, temperature, prompt=PROMPT):
     """P(token 2) = sum_t1 p(t1 | prompt) p(t2 | prompt, t1), enumerated exactly."""
     def probs(ids):
         logits = forward_all(new_runner(target), new_seq(ids), ids).logits[-1]
         return torch.softmax(logits / temperature, -1)
 
-    p1 = probs(PROMPT)
-    return sum(p1[t] * probs(PROMPT + [t]) for t in range(VOCAB)), p1
+    p1 = probs(prompt)
+    return sum(p1[t] * probs(prompt + [t]) for t in range(VOCAB)), p1
 
 
 @pytest.mark.parametrize("verify_mode", ["rejection", "match"])
@@ -64,6 +64,42 @@ def test_broken_acceptance_is_caught(small_vocab, monkeypatch):
     engine = make_engine(target, draft)
     out = engine.generate([PROMPT] * 1200, max_new_tokens=3, temperature=0.9, seed=7, ignore_eos=True)
     assert chi2_pvalue([r.token_ids[1] for r in out], want2.double().numpy()) < 1e-3
+
+
+# Ends in "3 5", which the prompt began with: the first round copies "7 4 9" from the context.
+COPYING_PROMPT = PROMPT + PROMPT[:2]
+
+
+def _sample_copying(engine, temperature: float, reps: int = 4) -> tuple[list[int], list[int], int]:
+    firsts, seconds, copied = [], [], 0
+    for rep in range(reps):
+        out = engine.generate([COPYING_PROMPT] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
+                              ignore_eos=True)
+        firsts += [r.token_ids[0] for r in out]
+        seconds += [r.token_ids[1] for r in out]
+        copied += sum(r.stats["copied_rounds"][0] for r in out)
+    return firsts, seconds, copied
+
+
+def test_sampled_copied_tokens_follow_the_target(small_vocab):
+    """Copied tokens have no draft distribution; sampled rows check them in match mode."""
+    target, _ = small_vocab
+    want2, want1 = _target_second_token_distribution(target, 0.9, COPYING_PROMPT)
+    firsts, seconds, copied = _sample_copying(make_engine(target, lookup_tokens=3), 0.9)
+    assert copied == len(firsts)  # every request's first round copied
+    for got, want in ((seconds, want2), (firsts, want1)):
+        assert chi2_pvalue(got, want.double().numpy()) > 1e-3
+
+
+def test_broken_copy_acceptance_is_caught(small_vocab, monkeypatch):
+    """Accept every copied token: the first token is then always the copied 7."""
+    import dlite_ray.engine.spec_decode as sd
+
+    target, _ = small_vocab
+    _, want1 = _target_second_token_distribution(target, 0.9, COPYING_PROMPT)
+    monkeypatch.setattr(sd, "verify_match", lambda p, drafts, num, gens: (num.clone(), drafts[:, 0]))
+    firsts, _, _ = _sample_copying(make_engine(target, lookup_tokens=3), 0.9, reps=1)
+    assert chi2_pvalue(firsts, want1.double().numpy()) < 1e-3
 
 
 def test_seeded_generation_is_reproducible(small_vocab):

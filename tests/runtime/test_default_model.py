@@ -16,6 +16,10 @@ def ar_engine(default_model_dir):
     return DLiteEngine.from_pretrained(default_model_dir, draft=None)
 
 
+def test_no_draft_means_plain_decoding(ar_engine):
+    assert ar_engine.draft is None and ar_engine.decoder.lookup.max_tokens == 0  # nothing copied either
+
+
 def test_logits_match_transformers(ar_engine, default_model_dir):
     ids = ar_engine.encode([{"role": "user", "content": "Explain what a Python decorator is."}])
     ours = forward_all(new_runner(ar_engine.target), new_seq(ids), ids).logits

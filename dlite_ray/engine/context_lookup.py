@@ -1,0 +1,71 @@
+"""Context lookup: draft by copying what followed the latest earlier occurrence of a
+sequence's last few tokens (prompt lookup decoding), next to the DLite draft.
+
+Agents re-send code, tool schemas and logs, and their replies copy from them: a fixed
+function, a file path, a JSON argument taken from the schema. Where the sequence's last
+n tokens (n = 4, then 3, then 2) occurred before, the tokens that followed them there are
+proposed instead of the DLite draft. The target verifies them like any draft, so the
+output is unchanged; only how many tokens a round keeps changes.
+
+Measured on the dev split's recorded replies (greedy acceptance, the shipped draft): DLite
+alone tau 2.77; copying where a 2-to-4-token match exists and DLite elsewhere 3.55 with up
+to 7 copied tokens, 4.22 with up to 15 (verify width is nearly free on this CPU).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from dlite_ray.engine.sequence import Sequence
+
+NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is likelier to continue the same way
+
+
+class NgramIndex:
+    """Where each n-gram of a token list last ended with a token after it, updated as the
+    list grows (sequences only ever append)."""
+
+    def __init__(self) -> None:
+        self._last_end: dict[tuple[int, ...], int] = {}
+        self._next_end = 0  # n-grams ending before this position are indexed
+
+    def continuation(self, tokens: list[int], max_tokens: int) -> list[int]:
+        """Up to max_tokens tokens that followed the latest earlier occurrence of the
+        longest suffix of `tokens` found (n in NGRAM_SIZES); [] when none occurred."""
+        self._index(tokens)
+        for n in NGRAM_SIZES:
+            end = self._last_end.get(tuple(tokens[-n:])) if len(tokens) > n else None
+            if end is not None:
+                return tokens[end + 1:end + 1 + max_tokens]
+        return []
+
+    def _index(self, tokens: list[int]) -> None:
+        # Only n-grams with a token after them are indexed, so the suffix being looked up
+        # (it ends at the last token) never finds itself.
+        if len(tokens) < self._next_end:
+            raise ValueError("the token list shrank; an index belongs to one growing sequence")
+        for end in range(self._next_end, len(tokens) - 1):
+            for n in NGRAM_SIZES:
+                if end + 1 >= n:
+                    self._last_end[tuple(tokens[end + 1 - n:end + 1])] = end
+        self._next_end = max(self._next_end, len(tokens) - 1)
+
+
+class ContextLookup:
+    """One NgramIndex per live sequence (dropped with the sequence)."""
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, limit: int) -> list[int]:
+        """Copied tokens to verify after seq's anchor (at most `limit`); [] to use the draft."""
+        limit = min(limit, self.max_tokens)
+        if limit <= 0:
+            return []
+        index = self._indexes.get(seq)
+        if index is None:
+            index = self._indexes[seq] = NgramIndex()
+        return index.continuation(seq.token_ids, limit)

@@ -1,0 +1,78 @@
+"""Context lookup: the n-gram index finds the latest earlier occurrence, and copied
+tokens verified by the target leave greedy output unchanged."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dlite_ray.engine.context_lookup import NGRAM_SIZES, NgramIndex
+from tests.engine.conftest import make_engine
+
+
+def _brute_force(tokens: list[int], max_tokens: int) -> list[int]:
+    for n in NGRAM_SIZES:
+        if len(tokens) <= n:
+            continue
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):  # latest first, never the suffix itself
+            if tokens[end + 1 - n:end + 1] == suffix:
+                return tokens[end + 1:end + 1 + max_tokens]
+    return []
+
+
+def test_index_agrees_with_a_brute_force_search_as_the_sequence_grows():
+    rng = random.Random(0)
+    tokens, index, found = [], NgramIndex(), 0
+    for _ in range(400):
+        tokens.append(rng.randrange(6))  # a small alphabet: many repeats
+        got = index.continuation(tokens, 5)
+        assert got == _brute_force(tokens, 5)
+        found += bool(got)
+    assert found > 300
+
+
+def test_longest_match_wins_and_a_suffix_never_matches_itself():
+    index = NgramIndex()
+    # "1 2" last occurred before 9, but "5 1 2" occurred before 7: the longer match wins
+    assert index.continuation([5, 1, 2, 7, 8, 1, 2, 9, 4, 5, 1, 2], 3) == [7, 8, 1]
+    assert NgramIndex().continuation([1, 2, 3, 4], 3) == []  # nothing repeats
+
+
+def test_a_shrinking_list_is_refused():
+    index = NgramIndex()
+    index.continuation([1, 2, 1, 2, 1], 4)
+    with pytest.raises(ValueError, match="shrank"):
+        index.continuation([1, 2], 4)
+
+
+# Prompts that repeat themselves, so the first rounds already copy.
+PROMPTS = [(p := [random.Random(i).randrange(3, 128) for _ in range(n)]) + p[:n // 2]
+           for i, n in enumerate((12, 30, 8))]
+NEW = 48
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    return [r.token_ids for r in make_engine(tiny_target).generate(PROMPTS, max_new_tokens=NEW)]
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_copied_tokens_leave_greedy_output_unchanged(tiny_target, tiny_draft, reference, with_draft):
+    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15)
+    out = engine.generate(PROMPTS, max_new_tokens=NEW)
+    assert [r.token_ids for r in out] == reference
+    copied = [c for r in out for c in r.stats["copied_rounds"]]
+    assert sum(copied) >= len(PROMPTS)  # every prompt copied at least once
+    # a round never verifies more than 15 copied tokens
+    assert max(a for r in out for a in r.stats["accept_lengths"]) <= 16
+    if with_draft:
+        assert not all(copied)  # and the draft drafted where nothing matched
+
+
+def test_lookup_tokens_out_of_range_is_refused(tiny_target):
+    from dlite_ray.engine.sequence import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="lookup_tokens"):
+        make_engine(tiny_target, lookup_tokens=16)
