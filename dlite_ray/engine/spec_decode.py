@@ -47,13 +47,14 @@ class SpecDecoder:
         step_started = time.perf_counter()
         decodes = schedule.decodes
         copies = [self.lookup.propose(s, self._room(s)) for s in decodes]
-        caps = [0 if copied else self._max_draft(s) for s, copied in zip(decodes, copies)]
-        ks = self.policy.choose(decodes, caps, len(schedule.prefills))
-        drafts, q_probs, draft_time, ks = self._propose(decodes, ks)
-        drafted_ks = list(ks)  # the DLite draft's rows only: what the policy learns from
+        ks = self.policy.choose(decodes, [self._max_draft(s) for s in decodes], len(schedule.prefills),
+                                [len(c) for c in copies])
+        copies = [c[:k] for c, k in zip(copies, ks)]  # what the cost model kept of each copy
+        drafts, q_probs, draft_time, drafted_ks = self._propose(decodes, [0 if c else k for c, k in zip(copies, ks)])
         for i, copied in enumerate(copies):
             if copied:
-                drafts[i], ks[i] = copied, len(copied)
+                drafts[i] = copied
+        ks = [len(d) for d in drafts]
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
         rows += [RowInput(s, [s.anchor] + drafts[i], num_outputs=k + 1) for i, (s, k) in enumerate(zip(decodes, ks))]
         accepted_l: list[int] = []
@@ -82,7 +83,7 @@ class SpecDecoder:
             if st.first_token_time is None:
                 st.first_token_time = now
             st.record_round(ks[i], a, copied=bool(copies[i]))
-            self.policy.record(seq, drafted_ks[i], a)
+            self.policy.record(seq, ks[i], a, copied=bool(copies[i]))
             st.draft_time += draft_time
             st.verify_time += t.elapsed
             st.decode_wall_time = now - st.first_token_time

@@ -11,6 +11,12 @@ whole step; when speculation does not pay (low acceptance, compute-bound batch),
 K_i stays 0 and the engine decodes plainly. Whether to speculate at all is then checked
 against what speculative and plain steps measurably delivered at this batch size
 (`StepRates`), so a wrong cost model cannot make the engine slower than plain decoding.
+
+Rows that copy from their context (`context_lookup.py`) are allocated by the same model:
+their tokens cost forward time but no draft call, and each is accepted with the row's own
+copy acceptance (tracked apart from the draft's, with its own prior). At batch 1 on a CPU
+a verify token is nearly free and whole copies pass; in a compute-bound batch copies that
+keep failing are cut short.
 """
 
 from __future__ import annotations
@@ -50,50 +56,63 @@ class SpeculationPolicy:
         self._draft: deque[tuple[int, float]] = deque(maxlen=self.WINDOW)
         self._accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
         self._global = [0.6, 1.0]  # decayed (accepted, examined) over all requests
+        self._copy_accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
+        self._copy_global = [0.6, 1.0]  # the same for copied tokens
         # decayed (accepted, reached) per drafted position over all requests
         self._positions = [[0.0, 0.0] for _ in range(max_draft_tokens)]
 
     def alpha(self, seq: Sequence) -> float:
-        accepted, reached = self._accept.get(seq, (0.0, 0.0))
-        prior = max(self.PRIOR_FLOOR, self._global[0] / self._global[1])
-        return (accepted + prior * self.PRIOR_WEIGHT) / (reached + self.PRIOR_WEIGHT)
+        return _rate(self._accept.get(seq, (0.0, 0.0)), self._global, self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
 
-    def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0) -> list[int]:
-        caps = [min(c, self.max_draft_tokens) for c in caps]
-        if not self.adaptive or not seqs or max(caps) == 0:
-            return caps
-        ks, pays = self._allocate(seqs, caps, prefill_tokens)
+    def copy_alpha(self, seq: Sequence) -> float:
+        return _rate(self._copy_accept.get(seq, (0.0, 0.0)), self._copy_global, self.PRIOR_FLOOR,
+                     self.PRIOR_WEIGHT)
+
+    def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
+               copy_caps: list[int] | None = None) -> list[int]:
+        """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied from
+        the context where copy_caps[i] > 0 (up to that many; the row then drafts nothing)."""
+        copy_caps = copy_caps or [0] * len(seqs)
+        caps = [0 if copy else min(c, self.max_draft_tokens) for c, copy in zip(caps, copy_caps)]
+        if not self.adaptive or not seqs or max(caps) + max(copy_caps) == 0:
+            return [copy or c for c, copy in zip(caps, copy_caps)]
+        ks, pays = self._allocate(seqs, caps, copy_caps, prefill_tokens)
         speculate = pays
         if self.rates is not None:
             # steps with prefill chunks are not measured (they say little about decoding),
             # but they follow what the measured steps found
             speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0
                          else self.rates.verdict(len(seqs), pays))
-        if speculate and not any(ks):
-            ks = [min(cap, 1) for cap in caps]  # measuring speculation the model would not try
-        chosen = ks if speculate else [0] * len(seqs)
-        for seq, k in zip(seqs, chosen):
-            if k == 0 and seq in self._accept:
+        if speculate and not any(ks[i] for i, c in enumerate(caps) if c):
+            ks = [k if copy else min(cap, 1) for k, cap, copy in zip(ks, caps, copy_caps)]  # measuring
+        # the measured verdict is about the draft: copied rows keep what the cost model gave them
+        chosen = [k if speculate or copy else 0 for k, copy in zip(ks, copy_caps)]
+        for seq, k, copy in zip(seqs, chosen, copy_caps):
+            if k == 0 and not copy and seq in self._accept:
                 self._accept[seq] = [x * self.IDLE_DECAY for x in self._accept[seq]]
         return chosen
 
-    def _allocate(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int) -> tuple[list[int], bool]:
-        """Draft positions per row by the cost model, and whether they beat plain decoding."""
+    def _allocate(self, seqs: list[Sequence], caps: list[int], copy_caps: list[int],
+                  prefill_tokens: int) -> tuple[list[int], bool]:
+        """Verify positions per row by the cost model, and whether they beat plain decoding."""
         c = self.cost
         plain_time = c.v0 + c.v1 * (prefill_tokens + len(seqs))
         plain_rate = len(seqs) / plain_time
-        # With drafting, the call's fixed cost is paid once; then add the draft positions
-        # that raise tokens per second most, one at a time, while they still do.
+        # With drafting, the call's fixed cost is paid once; then add the positions that
+        # raise tokens per second most, one at a time, while they still do. Copied
+        # positions cost forward time only.
         ks = [0] * len(seqs)
         factors = self._depth_factors()
-        gains = [self._gains(s, cap, factors) for s, cap in zip(seqs, caps)]
-        gain, time = float(len(seqs)), plain_time + c.d0
+        gains = [self._copy_gains(s, copy) if copy else self._gains(s, cap, factors)
+                 for s, cap, copy in zip(seqs, caps, copy_caps)]
+        limits = [copy or cap for cap, copy in zip(caps, copy_caps)]
+        gain, time = float(len(seqs)), plain_time + (c.d0 if any(caps) else 0.0)
         while True:
             best, best_ratio, best_cost = None, 0.0, 0.0
-            k_max = max(ks)
-            for i, (k, cap) in enumerate(zip(ks, caps)):
+            k_max = max((k for k, copy in zip(ks, copy_caps) if not copy), default=0)  # the draft call's length
+            for i, (k, cap) in enumerate(zip(ks, limits)):
                 if k < cap:
-                    extra = c.v1 + (c.d1 if k + 1 > k_max else 0.0)
+                    extra = c.v1 + (c.d1 if k + 1 > k_max and not copy_caps[i] else 0.0)
                     ratio = gains[i][k] / extra
                     if ratio > best_ratio:
                         best, best_ratio, best_cost = i, ratio, extra
@@ -128,6 +147,11 @@ class SpeculationPolicy:
             gains.append(reach)
         return gains
 
+    def _copy_gains(self, seq: Sequence, cap: int) -> list[float]:
+        """Expected tokens that copied positions 1..cap add: the row's copy acceptance, flat."""
+        alpha = min(self.MAX_ACCEPT, self.copy_alpha(seq))
+        return [alpha ** j for j in range(1, cap + 1)]
+
     def observe_step(self, batch: int, ks: list[int], tokens: int, seconds: float) -> None:
         """What a decode-only step delivered: `tokens` emitted in `seconds` of the whole step."""
         if self.rates is not None and batch > 0:
@@ -141,19 +165,28 @@ class SpeculationPolicy:
         self.cost.v0, self.cost.v1 = _fit(self._forward, self.cost.v0, self.cost.v1)
         self.cost.d0, self.cost.d1 = _fit(self._draft, self.cost.d0, self.cost.d1)
 
-    def record(self, seq: Sequence, k: int, accepted: int) -> None:
+    def record(self, seq: Sequence, k: int, accepted: int, copied: bool = False) -> None:
         if k == 0:
             return
         examined = min(accepted + 1, k)  # positions examined up to the first rejection
-        stats = self._accept.setdefault(seq, [0.0, 0.0])
+        stats = (self._copy_accept if copied else self._accept).setdefault(seq, [0.0, 0.0])
         stats[0] += accepted
         stats[1] += examined
-        g = self._global
+        g = self._copy_global if copied else self._global
         g[0], g[1] = g[0] * self.GLOBAL_DECAY + accepted, g[1] * self.GLOBAL_DECAY + examined
+        if copied:
+            return  # the depth profile is the draft's
         for j, position in enumerate(self._positions):
             reached = j < examined
             position[0] = position[0] * self.DEPTH_DECAY + (reached and j < accepted)
             position[1] = position[1] * self.DEPTH_DECAY + reached
+
+
+def _rate(own, overall: list[float], floor: float, weight: float) -> float:
+    """A row's acceptance: its own (accepted, examined) over a prior of `weight` positions at
+    the engine's recent rate (floored, so a row can always rediscover a better draft)."""
+    prior = max(floor, overall[0] / overall[1])
+    return (own[0] + prior * weight) / (own[1] + weight)
 
 
 def _fit(samples, intercept: float, slope: float) -> tuple[float, float]:

@@ -46,3 +46,39 @@ def test_later_positions_accepted_more_often_are_drafted_deeper():
     flat._positions = [[0.0, 0.0] for _ in flat._positions]  # the same rows, no depth profile
     deep, shallow = measured.choose([_seq()], [7])[0], flat.choose([_seq()], [7])[0]
     assert deep > shallow >= 1
+
+
+def _copy_policy(accept_rate: float, rounds: int = 200) -> tuple[SpeculationPolicy, Sequence]:
+    """A policy that has seen `rounds` copies of 15 tokens accepted position by position at accept_rate."""
+    policy = SpeculationPolicy(max_draft_tokens=7)
+    policy.rates = None
+    policy.cost = CostModel(v0=0.035, v1=0.0008, d0=0.004, d1=0.0007)  # a forward that grows with its tokens
+    rng = random.Random(1)
+    seq = _seq()
+    for _ in range(rounds):
+        accepted = 0
+        while accepted < 15 and rng.random() < accept_rate:
+            accepted += 1
+        policy.record(seq, 15, accepted, copied=True)
+    return policy, seq
+
+
+def test_copies_that_keep_passing_are_verified_whole_and_failing_ones_are_cut():
+    good, good_seq = _copy_policy(0.95)
+    bad, bad_seq = _copy_policy(0.3)
+    assert good.choose([good_seq] * 4, [0] * 4, copy_caps=[15] * 4) == [15] * 4
+    cut = bad.choose([bad_seq] * 4, [0] * 4, copy_caps=[15] * 4)
+    assert max(cut) <= 3
+
+
+def test_copy_evidence_leaves_the_draft_acceptance_alone():
+    policy, seq = _copy_policy(0.3)
+    assert policy.alpha(seq) == SpeculationPolicy(max_draft_tokens=7).alpha(seq)
+    assert policy.copy_alpha(seq) == pytest.approx(0.3, abs=0.05)
+
+
+def test_a_measured_no_to_drafting_does_not_stop_copying():
+    policy, seq = _copy_policy(0.95)
+    policy.rates = type("NoDrafting", (), {"should_speculate": lambda self, n, pays: False})()
+    drafting, copying = _seq(), seq
+    assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15]) == [0, 15]
