@@ -136,7 +136,7 @@ def cmd_generate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        keys = ("accept_lengths", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
+        keys = ("accept_lengths", "copied_rounds", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
                 "verify_time", "decode_tokens_per_second")
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "stats": {k: result.stats[k] for k in keys}}))
