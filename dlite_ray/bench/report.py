@@ -28,11 +28,14 @@ def _markdown(results: dict, plots: list[str]) -> str:
             tau = per[n]["mean_accept_length"]
             cells.append(f"{per[n]['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else ""))
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
-    lines += ["", "| overall | tokens/s | e2e tokens/s | TTFT s | tau | greedy mismatches |", "|---|---|---|---|---|---|"]
+    lines += ["", ("| overall | tokens/s | e2e tokens/s | TTFT s | tau | rounds copied from the context (their tau) "
+                   "| greedy mismatches |"), "|---|---|---|---|---|---|---|"]
     for n, s in results["methods"].items():
         tau = f"{s['mean_accept_length']:.2f}" if s["mean_accept_length"] else "-"
+        copied = (f"{s['copied_round_share']:.0%} ({s['mean_accept_length_copied']:.2f})"
+                  if s.get("copied_round_share") else "-")
         lines.append(f"| {n} | {s['tokens_per_second']:.1f} | {s['e2e_tokens_per_second']:.1f} | "
-                     f"{s['ttft_s']:.3f} | {tau} | {s['greedy_mismatches']} |")
+                     f"{s['ttft_s']:.3f} | {tau} | {copied} | {s['greedy_mismatches']} |")
     lines += ["", "Ratios (decode tokens/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"

@@ -102,7 +102,7 @@ class SpeculationPolicy:
         # raise tokens per second most, one at a time, while they still do. Copied
         # positions cost forward time only.
         ks = [0] * len(seqs)
-        factors = self._depth_factors()
+        factors = self._depth_factors() if any(caps) else []  # no draft rows (or no draft at all)
         gains = [self._copy_gains(s, copy) if copy else self._gains(s, cap, factors)
                  for s, cap, copy in zip(seqs, caps, copy_caps)]
         limits = [copy or cap for cap, copy in zip(caps, copy_caps)]

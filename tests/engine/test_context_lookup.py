@@ -58,9 +58,10 @@ def reference(tiny_target):
     return [r.token_ids for r in make_engine(tiny_target).generate(PROMPTS, max_new_tokens=NEW)]
 
 
-@pytest.mark.parametrize("with_draft", [False, True])
-def test_copied_tokens_leave_greedy_output_unchanged(tiny_target, tiny_draft, reference, with_draft):
-    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15)
+@pytest.mark.parametrize("with_draft,adaptive", [(False, False), (True, False), (False, True), (True, True)])
+def test_copied_tokens_leave_greedy_output_unchanged(tiny_target, tiny_draft, reference, with_draft, adaptive):
+    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15,
+                         adaptive_draft_length=adaptive)
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == reference
     copied = [c for r in out for c in r.stats["copied_rounds"]]
