@@ -84,7 +84,8 @@ class SpeculationPolicy:
             speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0
                          else self.rates.verdict(len(seqs), pays))
         if speculate and not any(ks[i] for i, c in enumerate(caps) if c):
-            ks = [k if copy else min(cap, 1) for k, cap, copy in zip(ks, caps, copy_caps)]  # measuring
+            # measuring drafting the model would not try (copied rows keep their allocation)
+            ks = [k if copy else min(cap, 1) for k, cap, copy in zip(ks, caps, copy_caps)]
         # the measured verdict is about the draft: copied rows keep what the cost model gave them
         chosen = [k if speculate or copy else 0 for k, copy in zip(ks, copy_caps)]
         for seq, k, copy in zip(seqs, chosen, copy_caps):
