@@ -53,7 +53,7 @@ def run(args) -> dict:
         levels = [int(c) for c in str(args.concurrency).split(",")]
         items = [ids for w in prompts.values() for _, _, ids in w]
         # no prefix cache here: every level pays its own prefill, as fresh requests would
-        lookup = dlite.decoder.lookup.max_tokens
+        lookup = dlite.lookup_tokens
         engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=n, enable_prefix_cache=False)
                    for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
         results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
@@ -91,7 +91,7 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         from dlite_ray.runtime.model_store import default_model_dir
 
         hf = AutoModelForCausalLM.from_pretrained(args.target or default_model_dir(), dtype=DTYPES[args.dtype]).eval()
-    lookup = dlite.decoder.lookup.max_tokens  # context lookup as in `dlite`, unless the method is about it
+    lookup = dlite.lookup_tokens  # context lookup as in `dlite`, unless the method is about it
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
@@ -107,7 +107,7 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft))
         elif name == "lookup":  # tokens copied from the context alone: no DLite draft
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, None,
-                                                           lookup_tokens=DEFAULT_LOOKUP_TOKENS))
+                                                           lookup_tokens=lookup or DEFAULT_LOOKUP_TOKENS))
         elif name == "ar":
             methods[name] = EngineMethod(name, ar)
         elif name == "oracle":

@@ -123,6 +123,11 @@ class DLiteEngine:
         return cls(model, tokenizer, transport, attention_backend=attention_backend, lookup_tokens=lookup_tokens,
                    **engine_kwargs)
 
+    @property
+    def lookup_tokens(self) -> int:
+        """Most tokens a round copies from the context (0: copying is off)."""
+        return self.decoder.lookup.max_tokens
+
     # -- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

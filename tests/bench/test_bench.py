@@ -111,6 +111,6 @@ def test_lookup_methods_take_one_drafter_each(tmp_path):
     methods = build_methods(["dlite-nolookup", "lookup"], dlite, make_engine(target), {},
                             SimpleNamespace(dtype="float32"))
     alone = methods["dlite-nolookup"].engine
-    assert alone.draft is dlite.draft and alone.decoder.lookup.max_tokens == 0
+    assert alone.draft is dlite.draft and alone.lookup_tokens == 0
     copying = methods["lookup"].engine
-    assert copying.draft is None and copying.decoder.lookup.max_tokens == 15
+    assert copying.draft is None and copying.lookup_tokens == 15

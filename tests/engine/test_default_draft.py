@@ -28,7 +28,7 @@ def test_the_default_draft_is_shipped_and_small():
 def test_default_engine_speculates_and_matches_plain_decoding():
     engine = DLiteEngine.from_pretrained()
     assert engine.draft is not None
-    assert engine.decoder.lookup.max_tokens == DEFAULT_LOOKUP_TOKENS  # copying from the context is on too
+    assert engine.lookup_tokens == DEFAULT_LOOKUP_TOKENS  # copying from the context is on too
     plain = DLiteEngine(engine.target, engine.tokenizer, None)
     spec = engine.generate(PROMPTS, max_new_tokens=48)
     ref = plain.generate(PROMPTS, max_new_tokens=48)

@@ -17,7 +17,7 @@ def ar_engine(default_model_dir):
 
 
 def test_no_draft_means_plain_decoding(ar_engine):
-    assert ar_engine.draft is None and ar_engine.decoder.lookup.max_tokens == 0  # nothing copied either
+    assert ar_engine.draft is None and ar_engine.lookup_tokens == 0  # nothing copied either
 
 
 def test_logits_match_transformers(ar_engine, default_model_dir):
