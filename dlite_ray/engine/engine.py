@@ -64,7 +64,7 @@ class DLiteEngine:
 
     def __init__(self, target: TargetModel, tokenizer, draft: DraftTransport | None, *,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, verify_block_size: int | None = None,
-                 adaptive_draft_length: bool = True, lookup_tokens: int = 0,
+                 adaptive_draft_length: bool = True, lookup_tokens: int | None = 0,
                  max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
                  block_size: int = KV_BLOCK_SIZE, attention_backend: str = "auto", enable_prefix_cache: bool = True,
                  scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64):
@@ -74,6 +74,8 @@ class DLiteEngine:
                                   enable_prefix_cache)
         self.eos_ids = _eos_ids(target, tokenizer)
         k = min(num_draft_tokens, draft.info.max_draft_tokens) if draft else 0
+        if lookup_tokens is None:  # copy with a draft; without one, plain decoding stays plain
+            lookup_tokens = DEFAULT_LOOKUP_TOKENS if draft is not None else 0
         if verify_block_size is not None:
             if verify_block_size < 1:
                 raise InvalidRequest(f"verify_block_size={verify_block_size} must be >= 1")
@@ -118,8 +120,6 @@ class DLiteEngine:
             if target is not None:
                 log.info("no default draft for a custom target: plain decoding (pass draft=PATH)")
         transport = None if draft_path is None else load_draft(draft_path, model, dtype, device)
-        if lookup_tokens is None:
-            lookup_tokens = DEFAULT_LOOKUP_TOKENS if transport is not None else 0
         return cls(model, tokenizer, transport, attention_backend=attention_backend, lookup_tokens=lookup_tokens,
                    **engine_kwargs)
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from ray import serve
 
-from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
 from dlite_ray.engine.async_engine import AsyncEngine
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir
@@ -32,11 +31,8 @@ def build_engine(args: EngineArgs) -> DLiteEngine:
     device = "cuda:0" if args.device == "cuda" else "cpu"
     target_path = Path(args.target) if args.target else default_model_dir()
     draft_path = {"none": None, "default": default_draft_dir() if not args.target else None}.get(args.draft, args.draft)
-    lookup_tokens = args.lookup_tokens
-    if lookup_tokens is None:
-        lookup_tokens = DEFAULT_LOOKUP_TOKENS if draft_path is not None else 0
     kwargs = {"num_draft_tokens": args.num_draft_tokens, "adaptive_draft_length": args.adaptive_draft_length,
-              "lookup_tokens": lookup_tokens, "max_kv_tokens": args.max_kv_tokens,
+              "lookup_tokens": args.lookup_tokens, "max_kv_tokens": args.max_kv_tokens,
               "attention_backend": args.attention_backend}
     if draft_path is None or not args.disaggregated_draft:
         return DLiteEngine.from_pretrained(target_path, draft_path, device=device, dtype=args.dtype, **kwargs)

@@ -77,3 +77,8 @@ def test_lookup_tokens_out_of_range_is_refused(tiny_target):
 
     with pytest.raises(InvalidRequest, match="lookup_tokens"):
         make_engine(tiny_target, lookup_tokens=16)
+
+
+def test_unset_lookup_copies_with_a_draft_only(tiny_target, tiny_draft):
+    assert make_engine(tiny_target, tiny_draft, lookup_tokens=None).lookup_tokens == 15
+    assert make_engine(tiny_target, lookup_tokens=None).lookup_tokens == 0
