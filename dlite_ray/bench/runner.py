@@ -104,7 +104,8 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, enable_prefix_cache=False))
         elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
-            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft))
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
+                                                           lookup_tokens=0))
         elif name == "lookup":  # tokens copied from the context alone: no DLite draft
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, None,
                                                            lookup_tokens=lookup or DEFAULT_LOOKUP_TOKENS))
@@ -113,7 +114,8 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         elif name == "oracle":
             refs = [ids + ar.generate(ids, max_new_tokens=args.max_new_tokens)[0].token_ids
                     for items in prompts.values() for _, _, ids in items]
-            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, OracleDraftTransport(refs)))
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, OracleDraftTransport(refs),
+                                                           lookup_tokens=0))  # the draft's ceiling, alone
         elif name == "hf":
             methods[name] = HFMethod(name, hf)
         elif name == "hf-prompt-lookup":

@@ -28,6 +28,7 @@ class NgramIndex:
     def __init__(self) -> None:
         self._last_end: dict[tuple[int, ...], int] = {}
         self._next_end = 0  # n-grams ending before this position are indexed
+        self._length = 0  # the list's length at the last lookup
 
     def continuation(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to max_tokens tokens that followed the latest earlier occurrence of the
@@ -42,8 +43,9 @@ class NgramIndex:
     def _index(self, tokens: list[int]) -> None:
         # Only n-grams with a token after them are indexed, so the suffix being looked up
         # (it ends at the last token) never finds itself.
-        if len(tokens) < self._next_end:
+        if len(tokens) < self._length:
             raise ValueError("the token list shrank; an index belongs to one growing sequence")
+        self._length = len(tokens)
         for end in range(self._next_end, len(tokens) - 1):
             for n in NGRAM_SIZES:
                 if end + 1 >= n:

@@ -58,13 +58,32 @@ def load_draft(path: str | Path, target: TargetModel, dtype: str = "float32",
     return InProcessDraftTransport(drafter, checkpoint_fingerprint(path))
 
 
+def _verify_lengths(draft: DraftTransport | None, num_draft_tokens: int, verify_block_size: int | None,
+                    lookup_tokens: int | None) -> tuple[int, int]:
+    """(tokens drafted, tokens copied) at most per round, checked: a verify row is the anchor
+    and those tokens, and only rows of up to MAX_POSITIONED_TOKENS are attended so that each
+    token rounds as plain decoding would (longer ones could change a bf16 greedy token)."""
+    k = min(num_draft_tokens, draft.info.max_draft_tokens) if draft else 0
+    if lookup_tokens is None:  # copy with a draft; without one, plain decoding stays plain
+        lookup_tokens = DEFAULT_LOOKUP_TOKENS if draft is not None else 0
+    if verify_block_size is not None:
+        if verify_block_size < 1:
+            raise ValueError(f"verify_block_size={verify_block_size} must be >= 1")
+        k = min(k, verify_block_size - 1)  # never draft what the verify window would drop
+        lookup_tokens = min(lookup_tokens, verify_block_size - 1)
+    for name, n in (("num_draft_tokens", k), ("lookup_tokens", lookup_tokens)):
+        if not 0 <= n < MAX_POSITIONED_TOKENS:
+            raise ValueError(f"{name}={n} must lie in [0, {MAX_POSITIONED_TOKENS - 1}]")
+    return k, lookup_tokens
+
+
 class DLiteEngine:
     """Target + paged KV + scheduler + draft transport. `add_request` / `step` / `abort`
     drive it one ragged forward at a time (the server's API); `generate` runs a batch."""
 
     def __init__(self, target: TargetModel, tokenizer, draft: DraftTransport | None, *,
                  num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS, verify_block_size: int | None = None,
-                 adaptive_draft_length: bool = True, lookup_tokens: int | None = 0,
+                 adaptive_draft_length: bool = True, lookup_tokens: int | None = None,
                  max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
                  block_size: int = KV_BLOCK_SIZE, attention_backend: str = "auto", enable_prefix_cache: bool = True,
                  scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64):
@@ -73,17 +92,7 @@ class DLiteEngine:
         self.runner = ModelRunner(target, tap_layers, max_kv_tokens, block_size, attention_backend,
                                   enable_prefix_cache)
         self.eos_ids = _eos_ids(target, tokenizer)
-        k = min(num_draft_tokens, draft.info.max_draft_tokens) if draft else 0
-        if lookup_tokens is None:  # copy with a draft; without one, plain decoding stays plain
-            lookup_tokens = DEFAULT_LOOKUP_TOKENS if draft is not None else 0
-        if verify_block_size is not None:
-            if verify_block_size < 1:
-                raise InvalidRequest(f"verify_block_size={verify_block_size} must be >= 1")
-            k = min(k, verify_block_size - 1)  # never draft what the verify window would drop
-            lookup_tokens = min(lookup_tokens, verify_block_size - 1)
-        if not 0 <= lookup_tokens < MAX_POSITIONED_TOKENS:
-            # longer verify rows would be attended another way and could round differently
-            raise InvalidRequest(f"lookup_tokens={lookup_tokens} must lie in [0, {MAX_POSITIONED_TOKENS - 1}]")
+        k, lookup_tokens = _verify_lengths(draft, num_draft_tokens, verify_block_size, lookup_tokens)
         self.policy = SpeculationPolicy(k, adaptive=adaptive_draft_length)
         self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, ContextLookup(lookup_tokens))
         self.target_fingerprint = target.fingerprint()
@@ -107,7 +116,7 @@ class DLiteEngine:
         from dlite_ray.runtime.model_store import default_model_dir
 
         if dtype not in DTYPES:
-            raise InvalidRequest(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         target_path = Path(target) if target is not None else default_model_dir()
         model = load_target(target_path, DTYPES[dtype], device)
         if target_path.suffix == ".gguf":

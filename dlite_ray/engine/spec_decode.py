@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,22 @@ from dlite_ray.runtime.sampling import (
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class RoundProposal:
+    """What each decode row verifies after its anchor in one step."""
+
+    tokens: list[list[int]]  # copied or drafted; [] decodes plainly
+    copied: list[bool]
+    drafted: list[int]  # tokens drafted per row (0 where copied, plain, or the draft call failed)
+    q_probs: dict[int, torch.Tensor] | None  # the draft distributions of sampled rows, by row
+    draft_time: float
+    draft_failed: bool
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+
 class SpecDecoder:
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
                  policy: SpeculationPolicy, lookup: ContextLookup | None = None):
@@ -46,51 +63,72 @@ class SpecDecoder:
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
         step_started = time.perf_counter()
         decodes = schedule.decodes
-        copies = [self.lookup.propose(s, self._room(s)) for s in decodes]
-        ks = self.policy.choose(decodes, [self._max_draft(s) for s in decodes], len(schedule.prefills),
-                                [len(c) for c in copies])
-        copies = [c[:k] for c, k in zip(copies, ks)]  # what the cost model kept of each copy
-        drafts, q_probs, draft_time, drafted_ks = self._propose(decodes, [0 if c else k for c, k in zip(copies, ks)])
-        for i, copied in enumerate(copies):
-            if copied:
-                drafts[i] = copied
-        ks = [len(d) for d in drafts]
+        proposal = self._propose_round(decodes, sum(n for _, n in schedule.prefills))
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
-        rows += [RowInput(s, [s.anchor] + drafts[i], num_outputs=k + 1) for i, (s, k) in enumerate(zip(decodes, ks))]
-        accepted_l: list[int] = []
-        next_l: list[int] = []
+        rows += [RowInput(s, [s.anchor] + tokens, num_outputs=len(tokens) + 1)
+                 for s, tokens in zip(decodes, proposal.tokens)]
+        accepted: list[int] = []
+        next_tokens: list[int] = []
         with _timer(self.runner.device) as t:
             outs = self.runner.forward(rows)
             if decodes:
-                modes = [_verify_mode(s, bool(copied)) for s, copied in zip(decodes, copies)]
-                accepted, next_tokens = self._verify(decodes, modes, ks, drafts, q_probs, outs[len(schedule.prefills):])
-                accepted_l, next_l = accepted.tolist(), next_tokens.tolist()  # the step's one host sync
-        self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, draft_time, drafted_ks, accepted_l)
-        for (seq, n), out in zip(schedule.prefills, outs):
+                modes = [_verify_mode(s, copied) for s, copied in zip(decodes, proposal.copied)]
+                a, n = self._verify(decodes, modes, proposal, outs[len(schedule.prefills):])
+                accepted, next_tokens = a.tolist(), n.tolist()  # the step's host sync for verification
+        self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, proposal.draft_time, proposal.drafted)
+        self._commit_prefills(schedule.prefills, outs, t.elapsed)
+        emitted = self._commit_decodes(decodes, proposal, accepted, next_tokens, outs[len(schedule.prefills):],
+                                       t.elapsed)
+        # Only decode-only steps that drafted or decoded plainly measure the draft against
+        # none; copied rows and a failed draft call would blur that comparison.
+        if decodes and not schedule.prefills and not any(proposal.copied) and not proposal.draft_failed:
+            self.policy.observe_step(len(decodes), proposal.lengths, sum(len(e) for e in emitted.values()),
+                                     time.perf_counter() - step_started)
+        return emitted
+
+    def _propose_round(self, decodes: list[Sequence], prefill_tokens: int) -> RoundProposal:
+        """What each decode row verifies this step: a copy from its context, a draft, or
+        nothing (plain decoding), as the policy allocates."""
+        caps = [self._max_draft(s) for s in decodes]
+        copies = [self.lookup.propose(s, self._room(s)) for s in decodes]
+        copies = [c if c and self.policy.prefers_copy(s, cap, len(c)) else []
+                  for s, cap, c in zip(decodes, caps, copies)]
+        ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c in copies])
+        copies = [c[:k] for c, k in zip(copies, ks)]  # what the cost model kept of each copy
+        draft_ks = [0 if c else k for c, k in zip(copies, ks)]
+        drafts, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
+        tokens = [c or d for c, d in zip(copies, drafts)]
+        return RoundProposal(tokens, [bool(c) for c in copies], [len(d) for d in drafts], q_probs, draft_time, failed)
+
+    def _commit_prefills(self, prefills: list[tuple[Sequence, int]], outs: list[RowOutput], seconds: float) -> None:
+        for (seq, n), out in zip(prefills, outs):
             self.runner.commit(seq, seq.num_computed + n)
-            seq.stats.prefill_time += t.elapsed
+            seq.stats.prefill_time += seconds
             if seq.num_to_prefill == 0:
                 seq.pivot_features = out.taps[-1] if out.taps is not None else None
+
+    def _commit_decodes(self, decodes: list[Sequence], proposal: RoundProposal, accepted: list[int],
+                        next_tokens: list[int], outs: list[RowOutput], seconds: float) -> dict[Sequence, list[int]]:
+        """Each row keeps its accepted tokens and the target's next one, crops its KV there and
+        takes its next pivot features from the verify pass at that index."""
         emitted = {}
         now = time.perf_counter()
         for i, seq in enumerate(decodes):
-            a, out = accepted_l[i], outs[len(schedule.prefills) + i]
+            a, out, tokens, copied = accepted[i], outs[i], proposal.tokens[i], proposal.copied[i]
             # tokens first: committing publishes full blocks, hashed by the tokens they hold
-            emitted[seq] = seq.append_tokens(drafts[i][:a] + [next_l[i]], self.eos_ids)
+            emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
             self.runner.commit(seq, seq.num_computed + a + 1)
             seq.pivot_features = out.taps[a] if out.taps is not None else None
             st = seq.stats
             if st.first_token_time is None:
                 st.first_token_time = now
-            st.record_round(ks[i], a, copied=bool(copies[i]))
-            self.policy.record(seq, ks[i], a, copied=bool(copies[i]))
-            st.draft_time += draft_time
-            st.verify_time += t.elapsed
+            st.record_round(len(tokens), a, copied=copied)
+            self.policy.record(seq, len(tokens), a, copied=copied)
+            if proposal.drafted[i]:
+                st.draft_time += proposal.draft_time  # the draft call it took part in
+            st.verify_time += seconds
             st.decode_wall_time = now - st.first_token_time
             st.last_token_time = now
-        if decodes and not schedule.prefills and not any(copies):  # measures the DLite draft against none
-            self.policy.observe_step(len(decodes), ks, sum(accepted_l) + len(decodes),
-                                     time.perf_counter() - step_started)
         return emitted
 
     def _room(self, seq: Sequence) -> int:
@@ -104,13 +142,13 @@ class SpecDecoder:
             return 0
         return min(self.draft.info.max_draft_tokens, self._room(seq))
 
-    def _propose(self, seqs: list[Sequence], ks: list[int]):
-        """Draft for the rows with k > 0 in one call; returns (drafts, q, seconds, the ks
-        actually drafted: all 0 when the draft is unavailable this step)."""
+    def _draft(self, seqs: list[Sequence], ks: list[int]):
+        """Draft for the rows with k > 0 in one call: (drafts, q, seconds, whether the call
+        failed; every row then decodes plainly this step)."""
         rows = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not rows:
-            return drafts, None, 0.0, ks
+            return drafts, None, 0.0, False
         g = self.draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
         device = self.runner.device
@@ -121,19 +159,23 @@ class SpecDecoder:
             sampling=_row_sampling(sub, device),
             draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=device),
         )
+        failure = None
         with _timer(device) as t:
             try:
                 proposal = self.draft.propose(request)
+                tokens = proposal.tokens.tolist()
             except DraftUnavailable as exc:
-                log.warning("draft unavailable, decoding plainly this step: %s", exc)
-                return drafts, None, t.elapsed, [0] * len(ks)
-            tokens = proposal.tokens.tolist()
+                failure = exc
+        if failure is not None:
+            log.warning("draft unavailable, decoding plainly this step: %s", failure)
+            return drafts, None, t.elapsed, True
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]
         q_probs = {i: proposal.probs[j, :ks[i]] for j, i in enumerate(rows)} if proposal.probs is not None else None
-        return drafts, q_probs, t.elapsed, ks
+        return drafts, q_probs, t.elapsed, False
 
-    def _verify(self, seqs: list[Sequence], modes: list[str], ks, drafts, q_probs, outs: list[RowOutput]):
+    def _verify(self, seqs: list[Sequence], modes: list[str], proposal: RoundProposal, outs: list[RowOutput]):
+        ks, drafts, q_probs = proposal.lengths, proposal.tokens, proposal.q_probs
         width = max(ks) + 1
         logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
         draft_t = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], dtype=torch.long,

@@ -16,7 +16,8 @@ Rows that copy from their context (`context_lookup.py`) are allocated by the sam
 their tokens cost forward time but no draft call, and each is accepted with the row's own
 copy acceptance (tracked apart from the draft's, with its own prior). At batch 1 on a CPU
 a verify token is nearly free and whole copies pass; in a compute-bound batch copies that
-keep failing are cut short.
+keep failing are cut short. A row whose copies keep failing drafts instead
+(`prefers_copy`), and tries copying again once that evidence has decayed.
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ class SpeculationPolicy:
         return _rate(self._copy_accept.get(seq, (0.0, 0.0)), self._copy_global, self.PRIOR_FLOOR,
                      self.PRIOR_WEIGHT)
 
+    def prefers_copy(self, seq: Sequence, draft_cap: int, copy_len: int) -> bool:
+        """Whether a row with a copy on offer verifies it rather than drafting: the copy's
+        expected accepted tokens against the draft's, each from the row's own evidence."""
+        draft_cap = min(draft_cap, self.max_draft_tokens)
+        if not self.adaptive or draft_cap == 0:
+            return True
+        copy = sum(self._copy_gains(seq, copy_len))
+        return copy >= sum(self._gains(seq, draft_cap, self._depth_factors()))
+
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
                copy_caps: list[int] | None = None) -> list[int]:
         """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied from
@@ -79,9 +89,10 @@ class SpeculationPolicy:
         ks, pays = self._allocate(seqs, caps, copy_caps, prefill_tokens)
         speculate = pays
         if self.rates is not None:
-            # steps with prefill chunks are not measured (they say little about decoding),
-            # but they follow what the measured steps found
-            speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0
+            # Steps with prefill chunks or copied rows are not measured (they say little about
+            # drafting against plain decoding), but they follow what the measured steps found.
+            copying = any(k for k, copy in zip(ks, copy_caps) if copy)
+            speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0 and not copying
                          else self.rates.verdict(len(seqs), pays))
         if speculate and not any(ks[i] for i, c in enumerate(caps) if c):
             # measuring drafting the model would not try (copied rows keep their allocation)
@@ -89,8 +100,8 @@ class SpeculationPolicy:
         # the measured verdict is about the draft: copied rows keep what the cost model gave them
         chosen = [k if speculate or copy else 0 for k, copy in zip(ks, copy_caps)]
         for seq, k, copy in zip(seqs, chosen, copy_caps):
-            if k == 0 and not copy and seq in self._accept:
-                self._accept[seq] = [x * self.IDLE_DECAY for x in self._accept[seq]]
+            _decay_idle(self._accept, seq, k == 0 and not copy, self.IDLE_DECAY)
+            _decay_idle(self._copy_accept, seq, not copy, self.IDLE_DECAY)
         return chosen
 
     def _allocate(self, seqs: list[Sequence], caps: list[int], copy_caps: list[int],
@@ -158,8 +169,9 @@ class SpeculationPolicy:
         if self.rates is not None and batch > 0:
             self.rates.record(batch, max(ks, default=0) > 0, tokens, seconds)
 
-    def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int],
-                accepted: list[int], seqs: list[Sequence] | None = None) -> None:
+    def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int]) -> None:
+        """One step's costs: the forward over `forward_tokens` new tokens (verification
+        included), and the draft call that drafted max(ks) tokens, if any."""
         self._forward.append((forward_tokens, forward_time))
         if max(ks, default=0) > 0:
             self._draft.append((max(ks), draft_time))
@@ -181,6 +193,12 @@ class SpeculationPolicy:
             reached = j < examined
             position[0] = position[0] * self.DEPTH_DECAY + (reached and j < accepted)
             position[1] = position[1] * self.DEPTH_DECAY + reached
+
+
+def _decay_idle(evidence: weakref.WeakKeyDictionary, seq: Sequence, idle: bool, decay: float) -> None:
+    """A row that did not use a proposer this step forgets some of its evidence about it."""
+    if idle and seq in evidence:
+        evidence[seq] = [x * decay for x in evidence[seq]]
 
 
 def _rate(own, overall: list[float], floor: float, weight: float) -> float:

@@ -2,8 +2,11 @@
 
 Each row carries its own temperature / top-k / top-p and its own number of drafted
 tokens; every row gets its own accepted length A (no batch minimum). Randomness comes
-from one torch.Generator per row, so a seeded request reproduces whatever it is batched
-with.
+from one torch.Generator per row, so no row draws from another's. A seeded request
+reproduces its output when run again with the same batch and a fixed draft length; in
+another batch, or with the adaptive length (which follows timings), a round may take
+another number of draws, so the output differs while still following the target's
+distribution.
 
 Verification modes (REFERENCE.md section 2):
 - greedy: accept while d_k == argmax p_k. Exactly the target's greedy output.
@@ -76,7 +79,10 @@ def uniforms(shape: tuple[int, ...], generators: list[torch.Generator | None], d
 
 
 def _rand(shape, generator: torch.Generator | None, device) -> torch.Tensor:
-    return torch.rand(shape, generator=generator, device=device)
+    if generator is None or generator.device == torch.device(device):
+        return torch.rand(shape, generator=generator, device=device)
+    # a request's generator lives on the CPU; its draws move to the rows' device
+    return torch.rand(shape, generator=generator, device=generator.device).to(device)
 
 
 def _accepted_length(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

@@ -37,9 +37,11 @@ def tiny_target(tiny_target_dir):
 
 
 def make_engine(target, draft=None, **kw) -> DLiteEngine:
-    """Fixed draft length unless asked: tests want every round to speculate (and reject)."""
+    """Fixed draft length and no context lookup unless asked: tests want every round to
+    draft (and reject)."""
     transport = draft if draft is None or hasattr(draft, "info") else InProcessDraftTransport(draft, "test")
     kw.setdefault("adaptive_draft_length", False)
+    kw.setdefault("lookup_tokens", 0)
     return DLiteEngine(target, CharTokenizer(), transport, **kw)
 
 

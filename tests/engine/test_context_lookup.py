@@ -3,12 +3,17 @@ tokens verified by the target leave greedy output unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import types
 
 import pytest
 
 from dlite_ray.engine.context_lookup import NGRAM_SIZES, NgramIndex
+from dlite_ray.engine.draft_transport import InProcessDraftTransport
+from dlite_ray.engine.engine import DLiteEngine
 from tests.engine.conftest import make_engine
+from tests.engine.test_requests import CharTokenizer
 
 
 def _brute_force(tokens: list[int], max_tokens: int) -> list[int]:
@@ -45,6 +50,8 @@ def test_a_shrinking_list_is_refused():
     index.continuation([1, 2, 1, 2, 1], 4)
     with pytest.raises(ValueError, match="shrank"):
         index.continuation([1, 2], 4)
+    with pytest.raises(ValueError, match="shrank"):  # by one token: its suffix would match itself
+        index.continuation([1, 2, 1, 2], 4)
 
 
 # Prompts that repeat themselves, so the first rounds already copy.
@@ -72,13 +79,17 @@ def test_copied_tokens_leave_greedy_output_unchanged(tiny_target, tiny_draft, re
         assert not all(copied)  # and the draft drafted where nothing matched
 
 
-def test_lookup_tokens_out_of_range_is_refused(tiny_target):
-    from dlite_ray.engine.sequence import InvalidRequest
-
-    with pytest.raises(InvalidRequest, match="lookup_tokens"):
+def test_verify_rows_longer_than_the_position_exact_limit_are_refused(tiny_target, tiny_draft):
+    with pytest.raises(ValueError, match="lookup_tokens"):
         make_engine(tiny_target, lookup_tokens=16)
+    info = dataclasses.replace(InProcessDraftTransport(tiny_draft, "test").info, max_draft_tokens=16)
+    long_draft = types.SimpleNamespace(info=info)  # only its limits are read before the check
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        make_engine(tiny_target, long_draft, num_draft_tokens=16)
 
 
 def test_unset_lookup_copies_with_a_draft_only(tiny_target, tiny_draft):
     assert make_engine(tiny_target, tiny_draft, lookup_tokens=None).lookup_tokens == 15
     assert make_engine(tiny_target, lookup_tokens=None).lookup_tokens == 0
+    engine = DLiteEngine(tiny_target, CharTokenizer(), InProcessDraftTransport(tiny_draft, "test"))
+    assert engine.lookup_tokens == 15  # the library's default is the CLI's and the server's

@@ -79,6 +79,34 @@ def test_copy_evidence_leaves_the_draft_acceptance_alone():
 
 def test_a_measured_no_to_drafting_does_not_stop_copying():
     policy, seq = _copy_policy(0.95)
-    policy.rates = type("NoDrafting", (), {"should_speculate": lambda self, n, pays: False})()
+    policy.rates = type("NoDrafting", (), {"should_speculate": lambda self, n, pays: False,
+                                            "verdict": lambda self, n, pays: False})()
     drafting, copying = _seq(), seq
     assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15]) == [0, 15]
+
+
+def test_steps_with_copied_rows_are_not_probed():
+    """The measured guard compares drafting with plain decoding; a step with copied rows
+    measures neither, so it must not spend one of the guard's probes."""
+    policy, seq = _copy_policy(0.95)
+    asked = []
+    policy.rates = type("Spy", (), {"should_speculate": lambda self, n, pays: asked.append("probe") or pays,
+                                    "verdict": lambda self, n, pays: asked.append("verdict") or pays})()
+    policy.choose([_seq(), seq], [7, 0], copy_caps=[0, 15])
+    policy.choose([_seq(), _seq()], [7, 7])
+    assert asked == ["verdict", "probe"]
+
+
+def test_a_row_whose_copies_fail_drafts_instead_then_tries_copying_again():
+    policy, good_seq = _copy_policy(0.95)  # copies pass for the engine's other requests
+    assert policy.prefers_copy(good_seq, 7, 15) and policy.prefers_copy(good_seq, 0, 15)
+    seq = _seq()
+    for _ in range(4):
+        policy.record(seq, 15, 0, copied=True)  # this request's copies fail at once
+    assert not policy.prefers_copy(seq, 7, 15)
+    assert policy.prefers_copy(seq, 0, 15)  # nothing to draft with: copying is all there is
+    rounds = 0
+    while not policy.prefers_copy(seq, 7, 15) and rounds < 50:
+        policy.choose([seq], [7], copy_caps=[0])  # drafting: the copy evidence decays
+        rounds += 1
+    assert 1 < rounds < 50

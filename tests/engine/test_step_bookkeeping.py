@@ -1,0 +1,44 @@
+"""What one engine step tells the policy: the prefill tokens beside the decodes, and
+nothing measured from a step whose draft call failed."""
+
+from __future__ import annotations
+
+import time
+
+from dlite_ray.engine.draft_transport import DraftUnavailable, InProcessDraftTransport
+from dlite_ray.engine.sequence import SamplingParams
+from tests.engine.conftest import make_engine
+
+
+def test_the_policy_is_told_the_prefill_tokens_not_the_chunks(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft)
+    calls = []
+    choose = engine.policy.choose
+    engine.policy.choose = lambda seqs, caps, prefill_tokens=0, copy_caps=None: (
+        calls.append((len(seqs), prefill_tokens)) or choose(seqs, caps, prefill_tokens, copy_caps))
+    engine.add_request(list(range(3, 12)), SamplingParams(max_new_tokens=8))
+    engine.step()  # its prefill
+    engine.add_request(list(range(20, 45)), SamplingParams(max_new_tokens=8))
+    engine.step()  # the first request decodes beside the second one's prefill
+    assert calls[-1] == (1, 24)  # 25 tokens, all but the last (the first anchor) prefilled
+
+
+class FailingDraft(InProcessDraftTransport):
+    """A draft that takes its time, then fails (a link timing out)."""
+
+    def propose(self, request):
+        time.sleep(0.05)
+        raise DraftUnavailable("link down")
+
+
+def test_a_failed_draft_call_decodes_plainly_and_measures_nothing(tiny_target, tiny_draft):
+    plain = make_engine(tiny_target).generate([list(range(3, 12))], max_new_tokens=6, ignore_eos=True)
+    engine = make_engine(tiny_target, FailingDraft(tiny_draft, "failing"), adaptive_draft_length=True)
+    measured = []
+    engine.policy.observe_step = lambda *args: measured.append(args)
+    out = engine.generate([list(range(3, 12))], max_new_tokens=6, ignore_eos=True)
+    assert out[0].token_ids == plain[0].token_ids
+    assert out[0].stats["draft_time"] == 0.0  # no row drafted
+    assert all(a == 1 for a in out[0].stats["accept_lengths"])
+    # a step that spent 50 ms on a failed call is not a plain step's rate
+    assert not any(step[1] and max(step[1]) == 0 and step[3] >= 0.05 for step in measured)
