@@ -91,8 +91,6 @@ class SpecDecoder:
         nothing (plain decoding), as the policy allocates."""
         caps = [self._max_draft(s) for s in decodes]
         copies = [self.lookup.propose(s, self._room(s)) for s in decodes]
-        copies = [c if c and self.policy.prefers_copy(s, cap, len(c)) else []
-                  for s, cap, c in zip(decodes, caps, copies)]
         ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c in copies])
         copies = [c[:k] for c, k in zip(copies, ks)]  # what the cost model kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]

@@ -16,8 +16,7 @@ Rows that copy from their context (`context_lookup.py`) are allocated by the sam
 their tokens cost forward time but no draft call, and each is accepted with the row's own
 copy acceptance (tracked apart from the draft's, with its own prior). At batch 1 on a CPU
 a verify token is nearly free and whole copies pass; in a compute-bound batch copies that
-keep failing are cut short. A row whose copies keep failing drafts instead
-(`prefers_copy`), and tries copying again once that evidence has decayed.
+keep failing are cut short, and tried again once that evidence has faded.
 """
 
 from __future__ import annotations
@@ -42,8 +41,9 @@ class SpeculationPolicy:
     # A new request starts from the engine's recent acceptance (floored, so a request can
     # always rediscover a draft that got better), worth PRIOR_WEIGHT examined positions.
     PRIOR_WEIGHT, PRIOR_FLOOR, GLOBAL_DECAY = 2.0, 0.3, 0.98
-    # A request that is not drafting forgets its evidence geometrically, so it retries
-    # after a few plain rounds instead of staying off for good after one bad round.
+    # A request that is not drafting (or not copying) forgets its evidence about that
+    # proposer geometrically, so it retries after a few rounds instead of staying off for
+    # good after one bad round.
     IDLE_DECAY = 0.7
     WINDOW = 64
     MAX_ACCEPT = 0.95  # no drafted position is ever counted as certain
@@ -69,15 +69,6 @@ class SpeculationPolicy:
         return _rate(self._copy_accept.get(seq, (0.0, 0.0)), self._copy_global, self.PRIOR_FLOOR,
                      self.PRIOR_WEIGHT)
 
-    def prefers_copy(self, seq: Sequence, draft_cap: int, copy_len: int) -> bool:
-        """Whether a row with a copy on offer verifies it rather than drafting: the copy's
-        expected accepted tokens against the draft's, each from the row's own evidence."""
-        draft_cap = min(draft_cap, self.max_draft_tokens)
-        if not self.adaptive or draft_cap == 0:
-            return True
-        copy = sum(self._copy_gains(seq, copy_len))
-        return copy >= sum(self._gains(seq, draft_cap, self._depth_factors()))
-
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
                copy_caps: list[int] | None = None) -> list[int]:
         """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied from
@@ -101,7 +92,7 @@ class SpeculationPolicy:
         chosen = [k if speculate or copy else 0 for k, copy in zip(ks, copy_caps)]
         for seq, k, copy in zip(seqs, chosen, copy_caps):
             _decay_idle(self._accept, seq, k == 0 and not copy, self.IDLE_DECAY)
-            _decay_idle(self._copy_accept, seq, not copy, self.IDLE_DECAY)
+            _decay_idle(self._copy_accept, seq, not (copy and k), self.IDLE_DECAY)
         return chosen
 
     def _allocate(self, seqs: list[Sequence], caps: list[int], copy_caps: list[int],

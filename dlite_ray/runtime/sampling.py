@@ -70,19 +70,15 @@ def probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """probs [B, N, V] -> tokens [B, N] by the exponential race argmax(p / E), E ~ Exp(1)."""
-    noise = torch.stack([_rand(probs.shape[1:], g, probs.device) for g in generators])
+    noise = uniforms(tuple(probs.shape[1:]), generators, probs.device)
     return (probs / -torch.log(noise.clamp_min(1e-20))).argmax(dim=-1)
 
 
 def uniforms(shape: tuple[int, ...], generators: list[torch.Generator | None], device) -> torch.Tensor:
-    return torch.stack([_rand(shape, g, device) for g in generators])
-
-
-def _rand(shape, generator: torch.Generator | None, device) -> torch.Tensor:
-    if generator is None or generator.device == torch.device(device):
-        return torch.rand(shape, generator=generator, device=device)
-    # a request's generator lives on the CPU; its draws move to the rows' device
-    return torch.rand(shape, generator=generator, device=generator.device).to(device)
+    """[B, *shape] uniforms, row b from generators[b]. A request's generator lives on the
+    CPU, so its row is drawn there and copied to the rows' device (a no-op on the CPU)."""
+    draws = [torch.rand(shape, generator=g, device=device if g is None else g.device) for g in generators]
+    return torch.stack([d.to(device, non_blocking=True) for d in draws])
 
 
 def _accepted_length(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:

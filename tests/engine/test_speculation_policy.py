@@ -97,16 +97,10 @@ def test_steps_with_copied_rows_are_not_probed():
     assert asked == ["verdict", "probe"]
 
 
-def test_a_row_whose_copies_fail_drafts_instead_then_tries_copying_again():
-    policy, good_seq = _copy_policy(0.95)  # copies pass for the engine's other requests
-    assert policy.prefers_copy(good_seq, 7, 15) and policy.prefers_copy(good_seq, 0, 15)
-    seq = _seq()
-    for _ in range(4):
-        policy.record(seq, 15, 0, copied=True)  # this request's copies fail at once
-    assert not policy.prefers_copy(seq, 7, 15)
-    assert policy.prefers_copy(seq, 0, 15)  # nothing to draft with: copying is all there is
-    rounds = 0
-    while not policy.prefers_copy(seq, 7, 15) and rounds < 50:
-        policy.choose([seq], [7], copy_caps=[0])  # drafting: the copy evidence decays
-        rounds += 1
+def test_a_row_whose_copies_were_cut_tries_copying_again():
+    policy, seq = _copy_policy(0.02)  # compute-bound costs, copies that fail at once
+    assert policy.choose([seq] * 4, [0] * 4, copy_caps=[15] * 4) == [0] * 4
+    rounds = 1
+    while max(policy.choose([seq] * 4, [0] * 4, copy_caps=[15] * 4)) == 0 and rounds < 50:
+        rounds += 1  # not copying: its copy evidence fades
     assert 1 < rounds < 50
