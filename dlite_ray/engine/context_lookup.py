@@ -27,8 +27,7 @@ class NgramIndex:
 
     def __init__(self) -> None:
         self._last_end: dict[tuple[int, ...], int] = {}
-        self._next_end = 0  # n-grams ending before this position are indexed
-        self._length = 0  # the list's length at the last lookup
+        self._length = 0  # length at the last lookup; the n-grams ending before its last token are indexed
 
     def continuation(self, tokens: list[int], max_tokens: int) -> list[int]:
         """Up to max_tokens tokens that followed the latest earlier occurrence of the
@@ -45,12 +44,11 @@ class NgramIndex:
         # (it ends at the last token) never finds itself.
         if len(tokens) < self._length:
             raise ValueError("the token list shrank; an index belongs to one growing sequence")
-        self._length = len(tokens)
-        for end in range(self._next_end, len(tokens) - 1):
+        for end in range(max(0, self._length - 1), len(tokens) - 1):
             for n in NGRAM_SIZES:
                 if end + 1 >= n:
                     self._last_end[tuple(tokens[end + 1 - n:end + 1])] = end
-        self._next_end = max(self._next_end, len(tokens) - 1)
+        self._length = len(tokens)
 
 
 class ContextLookup:
