@@ -1,5 +1,5 @@
 """dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, bench-serve, bench-followup, loadtest,
-train)."""
+train, draft-vocab)."""
 
 from __future__ import annotations
 
@@ -88,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--out", default="runs/loadtest")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
-    from dlite_ray.training.cli_args import add_train_args  # keeps --help fast enough
+    from dlite_ray.training.cli_args import add_draft_vocab_args, add_train_args  # keeps --help fast
 
     add_train_args(tr)
+    dv = sub.add_parser("draft-vocab", help="limit a draft to the tokens its training data says most often")
+    add_draft_vocab_args(dv)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command != "generate" else logging.WARNING,
@@ -195,9 +197,17 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_draft_vocab(args) -> int:
+    from dlite_ray.training.data import load_records
+    from dlite_ray.training.pipeline import write_draft_vocab
+
+    write_draft_vocab(args.draft, [r for f in args.data for r in load_records(f)], args.size)
+    return 0
+
+
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup, "loadtest": cmd_loadtest,
-            "train": cmd_train}
+            "train": cmd_train, "draft-vocab": cmd_draft_vocab}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,6 +11,7 @@ Positions are local (they never grow with the history); nothing survives the rou
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError
+from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
 from dlite_ray.runtime.sampling import RowSampling, probabilities, sample
 from dlite_ray.runtime.sequential_head import DLiteSequentialHead
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -123,12 +127,13 @@ class DLiteDraftModel(nn.Module):
         tokens, probs = [], []
         for k in range(num_tokens):
             state = head.advance(state, token)
-            logits = head.logits(state, u[:, k]).float()
-            token = logits.argmax(dim=-1)
+            logits = head.draft_logits(state, u[:, k]).float()
+            index = logits.argmax(dim=-1)
             if not all_greedy:
                 q = probabilities(logits[:, None], _safe_temperature(sampling))
-                token = torch.where(draft_greedy, token, sample(q, sampling.generators)[:, 0])
-                probs.append(q[:, 0])
+                index = torch.where(draft_greedy, index, sample(q, sampling.generators)[:, 0])
+                probs.append(head.full_vocabulary(q[:, 0]))
+            token = head.token_ids(index)
             tokens.append(token)
         return DraftProposal(torch.stack(tokens, 1), None if all_greedy else torch.stack(probs, 1))
 
@@ -167,6 +172,11 @@ class DLiteDraftModel(nn.Module):
         model.layer_ids = torch.tensor(cfg.target_layer_ids)
         model = model.to(device).eval()
         freeze_linears(model)  # loaded drafts only draft (training builds its own)
+        vocab_ids = load_draft_vocab(directory, cfg.layers.vocab_size)
+        if vocab_ids is not None:
+            model.sequential_head.restrict_vocabulary(vocab_ids)
+            log.info("the draft proposes %d of %d tokens (%s)", vocab_ids.numel(), cfg.layers.vocab_size,
+                     DRAFT_VOCAB_FILE)
         return model
 
 

@@ -7,13 +7,16 @@ For k = 1..K, with u_k the backbone output at mask k and d_0 the anchor:
     r_k = W_h [s_k; u_k] + b_h               (no activation)
     logits_k = W_o r_k                       (R -> V, no bias)
 The vocabulary distribution comes only from the R-wide bottleneck, never the target's
-LM head.
+LM head. A loaded draft may draft from a subset of the vocabulary (`draft_vocab.py`):
+then only those rows of W_o are read, once per drafted position.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
 
 
 class DLiteSequentialHead(nn.Module):
@@ -24,6 +27,16 @@ class DLiteSequentialHead(nn.Module):
         self.state_proj = nn.Linear(2 * rank, 2 * rank)
         self.state_hidden_mlp = nn.Linear(rank + hidden_size, rank)
         self.output_proj = nn.Linear(rank, vocab_size, bias=False)
+        # Set by restrict_vocabulary (inference only): the tokens drafted, and W_o's rows for them.
+        self.vocab_ids: torch.Tensor | None = None
+        self._subset_proj: FrozenLinear | None = None
+
+    def restrict_vocabulary(self, token_ids: torch.Tensor) -> None:
+        """Draft only `token_ids` (sorted, unique). The full W_o stays in the state dict;
+        a frozen copy of its rows for these tokens does the drafting."""
+        weight = self.output_proj.weight.detach()
+        self.vocab_ids = token_ids.to(weight.device)
+        self._subset_proj = freeze_linear(weight[self.vocab_ids].contiguous())
 
     def initial_state(self, batch: int, like: torch.Tensor, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """s_0 = 0; with G > 1 seeded by one step on the token before the anchor."""
@@ -42,6 +55,24 @@ class DLiteSequentialHead(nn.Module):
     def logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         # state: [..., R], u: [..., D] -> [..., V]
         return self.output_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
+
+    def draft_logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Logits over the tokens this head drafts: all of them, or the subset in
+        `vocab_ids` order (index i stands for token vocab_ids[i])."""
+        if self._subset_proj is None:
+            return self.logits(state, u)
+        return self._subset_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """draft_logits indices -> token ids."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
+
+    def full_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
+        """[N, V'] probabilities over the drafted tokens -> [N, V], zero outside them."""
+        if self.vocab_ids is None:
+            return probs
+        full = probs.new_zeros(probs.shape[0], self.output_proj.out_features)
+        return full.index_copy_(1, self.vocab_ids, probs)
 
     def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V]."""

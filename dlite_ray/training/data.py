@@ -98,6 +98,14 @@ def load_records(path) -> list[Record]:
     return [Record(**d) for d in torch.load(path)]
 
 
+def label_counts(records: list[Record], vocab_size: int) -> torch.Tensor:
+    """How often each token is the target's greedy label (for the draft's vocabulary)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(r.argmax.long(), minlength=vocab_size)
+    return counts
+
+
 def dataset_bytes(records: list[Record]) -> int:
     return sum(t.numel() * t.element_size() for r in records
                for t in (r.tokens, r.features, r.argmax, r.top_ids, r.top_probs))

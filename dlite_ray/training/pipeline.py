@@ -21,11 +21,13 @@ from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
+from dlite_ray.runtime.draft_vocab import frequent_tokens, save_draft_vocab
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import (
     dataset_bytes,
     extract_records,
     generate_conversations,
+    label_counts,
     load_records,
     save_records,
 )
@@ -140,6 +142,16 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     return records
 
 
+def write_draft_vocab(directory: str | Path, records: list, size: int) -> None:
+    """The `size` tokens the target said most often in `records`: all the draft proposes."""
+    vocab_size = DraftConfig.from_dict(json.loads((Path(directory) / "config.json").read_text())).layers.vocab_size
+    counts = label_counts(records, vocab_size)
+    ids = frequent_tokens(counts, min(size, vocab_size))
+    path = save_draft_vocab(directory, ids)
+    log.info("%s: %d tokens, covering %.2f%% of %d training labels", path, ids.numel(),
+             100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
+
+
 def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
                     args) -> dict:
     """Teacher (--teacher-steps), then the student: --blend-steps of KL blended into CE + TV
@@ -198,9 +210,10 @@ def run(args) -> dict:
         summary = train_two_stage(engine, draft, data, cfg, out, args)
     else:
         summary = train(student_objective(draft, cfg), *data, cfg, out)
-    draft.save(out / "draft")
-    if args.export:
-        draft.save(args.export)
+    for directory in filter(None, (out / "draft", args.export)):
+        draft.save(directory)
+        if args.draft_vocab:
+            write_draft_vocab(directory, train_records, args.draft_vocab)
     if initial_dev is not None:
         summary["initial_dev"] = initial_dev
     summary["total_seconds"] = time.perf_counter() - started

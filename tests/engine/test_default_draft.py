@@ -11,6 +11,7 @@ import pytest
 
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
 from dlite_ray.engine.engine import DLiteEngine, default_draft_dir
+from dlite_ray.runtime.draft_vocab import load_draft_vocab
 
 pytestmark = pytest.mark.slow
 
@@ -23,12 +24,16 @@ def test_the_default_draft_is_shipped_and_small():
     path = default_draft_dir()
     assert path is not None, "dlite_ray/default_draft is missing"
     assert (path / "model.safetensors").stat().st_size <= 40 * 2**20
+    subset = load_draft_vocab(path, 49152)  # it drafts from the target's frequent tokens
+    assert subset is not None and 0 < subset.numel() < 49152
 
 
 def test_default_engine_speculates_and_matches_plain_decoding():
     engine = DLiteEngine.from_pretrained()
     assert engine.draft is not None
     assert engine.lookup_tokens == DEFAULT_LOOKUP_TOKENS  # copying from the context is on too
+    drafted = engine.draft.draft.sequential_head.vocab_ids.tolist()
+    assert all(t in drafted for t in engine.eos_ids)  # it can propose the end of a reply
     plain = DLiteEngine(engine.target, engine.tokenizer, None)
     spec = engine.generate(PROMPTS, max_new_tokens=48)
     ref = plain.generate(PROMPTS, max_new_tokens=48)

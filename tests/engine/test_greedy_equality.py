@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from dlite_ray.bench.oracle import OracleDraftTransport
-from tests.engine.conftest import make_engine
+from tests.conftest import read_config
+from tests.engine.conftest import make_engine, random_draft
 
 PROMPTS = [[random.Random(i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((9, 17, 30, 12))]
 NEW = 40
@@ -28,6 +30,15 @@ def test_random_draft_matches_target(tiny_target, tiny_draft, reference, batch):
     engine = make_engine(tiny_target, tiny_draft)
     out = engine.generate(PROMPTS[:batch], max_new_tokens=NEW)
     assert [r.token_ids for r in out] == reference[:batch]
+
+
+def test_a_draft_with_a_vocabulary_subset_matches_target(tiny_target, tiny_target_dir, reference):
+    """Half the vocabulary, so some of the target's tokens can never be drafted (the
+    sampled tests in test_sampled_engine.py are the ones a wrong token mapping fails)."""
+    draft = random_draft(tiny_target, read_config(tiny_target_dir), seed=5)
+    draft.sequential_head.restrict_vocabulary(torch.arange(0, 128, 2))
+    out = make_engine(tiny_target, draft).generate(PROMPTS, max_new_tokens=NEW)
+    assert [r.token_ids for r in out] == reference
 
 
 @pytest.mark.parametrize("wrong_rate", [0.0, 0.3])

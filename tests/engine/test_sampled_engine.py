@@ -50,6 +50,50 @@ def test_sampled_tokens_follow_the_target(small_vocab, verify_mode):
         assert chi2_pvalue(got, want.double().numpy()) > 1e-3
 
 
+@pytest.fixture(scope="module")
+def subset_draft(small_vocab, tmp_path_factory):
+    """A draft that proposes only half of the small vocabulary (draft_vocab.py)."""
+    target, _ = small_vocab
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("sv") / "llama", "llama", vocab=VOCAB)
+    draft = random_draft(target, read_config(d), seed=4, block_size=4)
+    draft.sequential_head.restrict_vocabulary(torch.tensor([1, 4, 5, 6, 8, 11]))
+    return draft
+
+
+def _sample(target, draft, temperature: float, reps: int = 4) -> tuple[list[int], list[int]]:
+    engine = make_engine(target, draft)
+    firsts, seconds = [], []
+    for rep in range(reps):
+        out = engine.generate([PROMPT] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
+                              ignore_eos=True)
+        firsts += [r.token_ids[0] for r in out]
+        seconds += [r.token_ids[1] for r in out]
+    return firsts, seconds
+
+
+def test_a_vocabulary_subset_draft_still_samples_the_target(small_vocab, subset_draft):
+    """Tokens the draft cannot propose still come, from the residual, as often as they should."""
+    target, _ = small_vocab
+    want2, want1 = _target_second_token_distribution(target, 0.9)
+    firsts, seconds = _sample(target, subset_draft, 0.9)
+    for got, want in ((seconds, want2), (firsts, want1)):
+        assert chi2_pvalue(got, want.double().numpy()) > 1e-3
+
+
+def test_a_subset_draft_whose_distributions_sit_on_the_wrong_tokens_is_caught(small_vocab, subset_draft,
+                                                                             monkeypatch):
+    """Put each subset probability on the next token id: verification then divides by the
+    wrong q, and the sampled tokens stop following the target."""
+    from dlite_ray.runtime.sequential_head import DLiteSequentialHead
+
+    target, _ = small_vocab
+    _, want1 = _target_second_token_distribution(target, 0.9)
+    right = DLiteSequentialHead.full_vocabulary
+    monkeypatch.setattr(DLiteSequentialHead, "full_vocabulary", lambda self, q: right(self, q).roll(1, dims=-1))
+    firsts, _ = _sample(target, subset_draft, 0.9)
+    assert chi2_pvalue(firsts, want1.double().numpy()) < 1e-3
+
+
 def test_broken_acceptance_is_caught(small_vocab, monkeypatch):
     """Accept every draft: the second token then follows the draft, and the test sees it."""
     import dlite_ray.engine.spec_decode as sd

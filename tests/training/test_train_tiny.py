@@ -9,12 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dlite_ray import cli
 from dlite_ray.runtime.draft_model import DLiteDraftModel
+from dlite_ray.runtime.draft_vocab import frequent_tokens, load_draft_vocab
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training import pipeline
 from dlite_ray.training.batches import all_anchors, chain_mask, make_batch
-from dlite_ray.training.data import Record, extract_records, load_records, save_records
-from dlite_ray.training.pipeline import init_weights
+from dlite_ray.training.data import Record, extract_records, label_counts, load_records, save_records
+from dlite_ray.training.pipeline import init_weights, write_draft_vocab
 from dlite_ray.training.trainer import (
     Objective,
     TrainConfig,
@@ -123,6 +125,15 @@ def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
     draft.save(tmp_path / "draft")
     loaded = DLiteDraftModel.load(tmp_path / "draft", target.embed_tokens, target.cfg.num_layers)
     assert loaded.cfg.target_layer_ids == draft.cfg.target_layer_ids
+    # the draft's vocabulary: the labels the target said most often
+    write_draft_vocab(tmp_path / "draft", records, 16)
+    counts = label_counts(records, 128)
+    subset = DLiteDraftModel.load(tmp_path / "draft", target.embed_tokens, target.cfg.num_layers).sequential_head.vocab_ids
+    assert subset.numel() == 16 and counts[subset].min() >= counts.sort(descending=True).values[15]
+    save_records(records, tmp_path / "records.pt")  # the same through the CLI, for a shipped draft
+    assert cli.main(["draft-vocab", str(tmp_path / "draft"), "--data", str(tmp_path / "records.pt"),
+                     "--size", "8"]) == 0
+    assert load_draft_vocab(tmp_path / "draft", 128).tolist() == frequent_tokens(counts, 8).tolist()
     # resuming from the checkpoint continues at the saved step
     cfg2 = TrainConfig(steps=70, batch_size=32, lr=3e-3, warmup=5, eval_every=70, checkpoint_every=35,
                        bf16_autocast=False)
