@@ -37,8 +37,23 @@ def _markdown(results: dict, plots: list[str]) -> str:
         lines.append(f"| {n} | {s['tokens_per_second']:.1f} | {s['e2e_tokens_per_second']:.1f} | "
                      f"{s['ttft_s']:.3f} | {tau} | {copied} | {s['greedy_mismatches']} |")
     lines += ["", "Ratios (decode tokens/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
+    lines += _round_times(results, names)
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def _round_times(results: dict, names: list[str]) -> list[str]:
+    """ms per round, drafting / target forward: what speed is tau divided by (our engines only)."""
+    ours = [n for n in names if all(r["accept_lengths"] for w in results["workloads"].values()
+                                    for r in w[n]["per_prompt"])]  # transformers' methods report no rounds
+    if not ours:
+        return []
+    lines = ["Milliseconds per round (per step without a draft), drafting / target forward:", "",
+             "| workload | " + " | ".join(ours) + " |", "|---" * (len(ours) + 1) + "|"]
+    for w, per in results["workloads"].items():
+        splits = [_split(per[n]["per_prompt"]) for n in ours]
+        lines.append(f"| {w} | " + " | ".join(f"{s['draft']:.1f} / {s['verify']:.1f}" for s in splits) + " |")
+    return lines + [""]
 
 
 def _plots(results: dict, out: Path) -> list[str]:

@@ -74,6 +74,8 @@ def test_result_schema_and_report(tmp_path):
     assert data["ratios"]["dlite/ar"] == pytest.approx(1.0)
     report = (tmp_path / "report.md").read_text()
     assert "| w |" in report and "speed_by_workload.png" in report
+    # per round: 1 ms of drafting and 10 ms of forward over the two rounds each run reports
+    assert "| w | 0.5 / 5.0 | 0.5 / 5.0 | 0.5 / 5.0 |" in report
     assert (tmp_path / "speed_by_workload.png").stat().st_size > 1000
 
 
