@@ -17,6 +17,8 @@ DEFAULT_BLOCK_SIZE = DEFAULT_NUM_DRAFT_TOKENS + 1
 # Context lookup (engine/context_lookup.py): most tokens copied from the context per round.
 # 15 keeps a verify row within the 16 tokens that attention computes position-exactly.
 DEFAULT_LOOKUP_TOKENS = 15
+# The draft's vocabulary (runtime/draft_vocab.py): tokens a trained draft may propose.
+DEFAULT_DRAFT_VOCAB_SIZE = 8192
 
 # Generation.
 DEFAULT_MAX_NEW_TOKENS = 128

@@ -132,8 +132,8 @@ class DLiteDraftModel(nn.Module):
             if not all_greedy:
                 q = probabilities(logits[:, None], _safe_temperature(sampling))
                 index = torch.where(draft_greedy, index, sample(q, sampling.generators)[:, 0])
-                probs.append(head.full_vocabulary(q[:, 0]))
-            token = head.token_ids(index)
+                probs.append(head.scatter_to_vocabulary(q[:, 0]))
+            token = head.to_token_ids(index)
             tokens.append(token)
         return DraftProposal(torch.stack(tokens, 1), None if all_greedy else torch.stack(probs, 1))
 

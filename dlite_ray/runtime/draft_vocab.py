@@ -40,6 +40,7 @@ def frequent_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor) -> Path:
+    """Write `token_ids` (sorted, unique) as the draft's vocabulary next to its checkpoint."""
     path = Path(directory) / DRAFT_VOCAB_FILE
     save_file({"token_ids": token_ids.to(torch.long).contiguous()}, path)
     return path

@@ -28,15 +28,19 @@ class DLiteSequentialHead(nn.Module):
         self.state_hidden_mlp = nn.Linear(rank + hidden_size, rank)
         self.output_proj = nn.Linear(rank, vocab_size, bias=False)
         # Set by restrict_vocabulary (inference only): the tokens drafted, and W_o's rows for them.
-        self.vocab_ids: torch.Tensor | None = None
+        self.drafted_ids: torch.Tensor | None = None
         self._subset_proj: FrozenLinear | None = None
 
     def restrict_vocabulary(self, token_ids: torch.Tensor) -> None:
         """Draft only `token_ids` (sorted, unique). The full W_o stays in the state dict;
-        a frozen copy of its rows for these tokens does the drafting."""
+        a frozen copy of its rows for these tokens does the drafting. Call it once the head
+        sits on its device: the copy does not move with the module."""
+        ids = token_ids.to(torch.long)
+        if ids.dim() != 1 or ids.numel() == 0 or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
+            raise ValueError("token_ids must be a non-empty, sorted list of distinct ids")  # else q would not match
         weight = self.output_proj.weight.detach()
-        self.vocab_ids = token_ids.to(weight.device)
-        self._subset_proj = freeze_linear(weight[self.vocab_ids].contiguous())
+        self.drafted_ids = ids.to(weight.device)
+        self._subset_proj = freeze_linear(weight[self.drafted_ids].contiguous())
 
     def initial_state(self, batch: int, like: torch.Tensor, prev_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """s_0 = 0; with G > 1 seeded by one step on the token before the anchor."""
@@ -58,21 +62,22 @@ class DLiteSequentialHead(nn.Module):
 
     def draft_logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Logits over the tokens this head drafts: all of them, or the subset in
-        `vocab_ids` order (index i stands for token vocab_ids[i])."""
+        `drafted_ids` order (index i stands for token drafted_ids[i])."""
         if self._subset_proj is None:
             return self.logits(state, u)
         return self._subset_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
 
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+    def to_token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """draft_logits indices -> token ids."""
-        return index if self.vocab_ids is None else self.vocab_ids[index]
+        return index if self.drafted_ids is None else self.drafted_ids[index]
 
-    def full_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
-        """[N, V'] probabilities over the drafted tokens -> [N, V], zero outside them."""
-        if self.vocab_ids is None:
+    def scatter_to_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
+        """[N, V'] probabilities over the drafted tokens -> [N, V], zero outside them (what
+        verification needs: the distribution the draft sampled from, over every token)."""
+        if self.drafted_ids is None:
             return probs
         full = probs.new_zeros(probs.shape[0], self.output_proj.out_features)
-        return full.index_copy_(1, self.vocab_ids, probs)
+        return full.index_copy_(1, self.drafted_ids, probs)
 
     def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V]."""

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import argparse
 
+from dlite_ray.constants import DEFAULT_DRAFT_VOCAB_SIZE
+
+
+def _size(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF directory or .gguf (default: embedded SmolLM2)")
@@ -36,7 +45,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--blend-steps", type=int, default=None,
                    help="student steps under the teacher's frozen head, KL blended into CE + TV "
                         "(default: a third of --steps; the rest train everything on CE + TV)")
-    p.add_argument("--draft-vocab", type=int, default=8192,
+    p.add_argument("--draft-vocab", type=_size, default=DEFAULT_DRAFT_VOCAB_SIZE,
                    help="the draft proposes only the N tokens the target says most often in the training "
                         "replies (a smaller head read per drafted position); 0 = the whole vocabulary")
     p.add_argument("--seed", type=int, default=0)
@@ -46,4 +55,5 @@ def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("draft", help="draft checkpoint directory to write draft_vocab.safetensors into")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE",
                    help="record files of `dlite-ray train` (data_train.pt, data_extra.pt) to count labels in")
-    p.add_argument("--size", type=int, default=8192, help="tokens the draft may propose")
+    p.add_argument("--size", type=_size, default=DEFAULT_DRAFT_VOCAB_SIZE,
+                   help="tokens the draft may propose (0: all of them; removes an earlier subset)")

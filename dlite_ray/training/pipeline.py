@@ -21,9 +21,10 @@ from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
-from dlite_ray.runtime.draft_vocab import frequent_tokens, save_draft_vocab
+from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import (
+    Record,
     dataset_bytes,
     extract_records,
     generate_conversations,
@@ -142,11 +143,20 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     return records
 
 
-def write_draft_vocab(directory: str | Path, records: list, size: int) -> None:
-    """The `size` tokens the target said most often in `records`: all the draft proposes."""
-    vocab_size = DraftConfig.from_dict(json.loads((Path(directory) / "config.json").read_text())).layers.vocab_size
+def write_draft_vocab(directory: str | Path, records: list[Record], size: int) -> None:
+    """The `size` tokens the target said most often in `records`: all the draft proposes.
+    0 (or the whole vocabulary) removes an earlier subset, so the draft proposes every token.
+    The dev tau that training logs is the whole vocabulary's (the subset barely moves it)."""
+    config = Path(directory) / "config.json"
+    if not config.exists():
+        raise ValueError(f"{directory} is not a draft checkpoint (no config.json)")
+    vocab_size = DraftConfig.from_dict(json.loads(config.read_text())).layers.vocab_size
+    if not 0 < size < vocab_size:
+        (Path(directory) / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
+        log.info("%s: the draft proposes every token", directory)
+        return
     counts = label_counts(records, vocab_size)
-    ids = frequent_tokens(counts, min(size, vocab_size))
+    ids = frequent_tokens(counts, size)
     path = save_draft_vocab(directory, ids)
     log.info("%s: %d tokens, covering %.2f%% of %d training labels", path, ids.numel(),
              100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
@@ -212,8 +222,7 @@ def run(args) -> dict:
         summary = train(student_objective(draft, cfg), *data, cfg, out)
     for directory in filter(None, (out / "draft", args.export)):
         draft.save(directory)
-        if args.draft_vocab:
-            write_draft_vocab(directory, train_records, args.draft_vocab)
+        write_draft_vocab(directory, train_records, args.draft_vocab)
     if initial_dev is not None:
         summary["initial_dev"] = initial_dev
     summary["total_seconds"] = time.perf_counter() - started

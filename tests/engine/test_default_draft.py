@@ -32,7 +32,7 @@ def test_default_engine_speculates_and_matches_plain_decoding():
     engine = DLiteEngine.from_pretrained()
     assert engine.draft is not None
     assert engine.lookup_tokens == DEFAULT_LOOKUP_TOKENS  # copying from the context is on too
-    drafted = engine.draft.draft.sequential_head.vocab_ids.tolist()
+    drafted = engine.draft.draft.sequential_head.drafted_ids.tolist()
     assert all(t in drafted for t in engine.eos_ids)  # it can propose the end of a reply
     plain = DLiteEngine(engine.target, engine.tokenizer, None)
     spec = engine.generate(PROMPTS, max_new_tokens=48)

@@ -82,14 +82,14 @@ def test_a_vocabulary_subset_draft_still_samples_the_target(small_vocab, subset_
 
 def test_a_subset_draft_whose_distributions_sit_on_the_wrong_tokens_is_caught(small_vocab, subset_draft,
                                                                              monkeypatch):
-    """Put each subset probability on the next token id: verification then divides by the
-    wrong q, and the sampled tokens stop following the target."""
+    """Put each subset probability on the next token id: verification then weighs each draft
+    by another token's q, and the sampled tokens stop following the target."""
     from dlite_ray.runtime.sequential_head import DLiteSequentialHead
 
     target, _ = small_vocab
     _, want1 = _target_second_token_distribution(target, 0.9)
-    right = DLiteSequentialHead.full_vocabulary
-    monkeypatch.setattr(DLiteSequentialHead, "full_vocabulary", lambda self, q: right(self, q).roll(1, dims=-1))
+    right = DLiteSequentialHead.scatter_to_vocabulary
+    monkeypatch.setattr(DLiteSequentialHead, "scatter_to_vocabulary", lambda self, q: right(self, q).roll(1, dims=-1))
     firsts, _ = _sample(target, subset_draft, 0.9)
     assert chi2_pvalue(firsts, want1.double().numpy()) < 1e-3
 

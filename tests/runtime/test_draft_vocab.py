@@ -40,6 +40,14 @@ def test_the_file_round_trips_and_is_checked(tmp_path):
         load_draft_vocab(tmp_path, 10)
 
 
+def test_restricting_a_head_needs_sorted_distinct_ids(tiny_dirs):
+    target = load_target(tiny_dirs["llama"])
+    head = random_draft(target, read_config(tiny_dirs["llama"])).sequential_head
+    for bad in ([3, 3, 5], [5, 3], []):
+        with pytest.raises(ValueError, match="sorted list of distinct ids"):
+            head.restrict_vocabulary(torch.tensor(bad, dtype=torch.long))
+
+
 @pytest.fixture
 def saved(tiny_dirs, tmp_path):
     target = load_target(tiny_dirs["llama"])

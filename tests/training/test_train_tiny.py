@@ -128,12 +128,18 @@ def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
     # the draft's vocabulary: the labels the target said most often
     write_draft_vocab(tmp_path / "draft", records, 16)
     counts = label_counts(records, 128)
-    subset = DLiteDraftModel.load(tmp_path / "draft", target.embed_tokens, target.cfg.num_layers).sequential_head.vocab_ids
+    loaded = DLiteDraftModel.load(tmp_path / "draft", target.embed_tokens, target.cfg.num_layers)
+    subset = loaded.sequential_head.drafted_ids
     assert subset.numel() == 16 and counts[subset].min() >= counts.sort(descending=True).values[15]
     save_records(records, tmp_path / "records.pt")  # the same through the CLI, for a shipped draft
     assert cli.main(["draft-vocab", str(tmp_path / "draft"), "--data", str(tmp_path / "records.pt"),
                      "--size", "8"]) == 0
     assert load_draft_vocab(tmp_path / "draft", 128).tolist() == frequent_tokens(counts, 8).tolist()
+    # size 0 removes it (a retrain with --draft-vocab 0 into a directory that had one)
+    assert cli.main(["draft-vocab", str(tmp_path / "draft"), "--data", str(tmp_path / "records.pt"),
+                     "--size", "0"]) == 0
+    assert load_draft_vocab(tmp_path / "draft", 128) is None
+    assert cli.main(["draft-vocab", str(tmp_path), "--data", str(tmp_path / "records.pt")]) == 2  # not a draft
     # resuming from the checkpoint continues at the saved step
     cfg2 = TrainConfig(steps=70, batch_size=32, lr=3e-3, warmup=5, eval_every=70, checkpoint_every=35,
                        bf16_autocast=False)
