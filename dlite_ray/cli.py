@@ -198,15 +198,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_draft_vocab(args) -> int:
-    from pathlib import Path
-
     from dlite_ray.training.data import load_records
     from dlite_ray.training.pipeline import write_draft_vocab
 
-    try:
-        if not (Path(args.draft) / "config.json").exists():  # before reading large record files
-            raise ValueError(f"{args.draft} is not a draft checkpoint (no config.json)")
-        write_draft_vocab(args.draft, [r for f in args.data for r in load_records(f)], args.size)
+    try:  # one record file in memory at a time
+        write_draft_vocab([args.draft], (r for f in args.data for r in load_records(f)), args.size)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

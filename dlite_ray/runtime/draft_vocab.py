@@ -39,6 +39,12 @@ def frequent_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:
     return order[:size].sort().values
 
 
+def sorted_and_distinct(ids: torch.Tensor) -> bool:
+    """A usable subset: 1-D, non-empty, strictly increasing (a repeated id would make the
+    scattered q disagree with what was sampled)."""
+    return ids.dim() == 1 and ids.numel() > 0 and bool((ids[1:] > ids[:-1]).all())
+
+
 def save_draft_vocab(directory: str | Path, token_ids: torch.Tensor) -> Path:
     """Write `token_ids` (sorted, unique) as the draft's vocabulary next to its checkpoint."""
     path = Path(directory) / DRAFT_VOCAB_FILE
@@ -57,6 +63,6 @@ def load_draft_vocab(directory: str | Path, vocab_size: int) -> torch.Tensor | N
         raise DraftConfigError(f"{path}: needs one non-empty int64 tensor 'token_ids'")
     if ids.min() < 0 or ids.max() >= vocab_size:
         raise DraftConfigError(f"{path}: token ids must lie in [0, {vocab_size})")
-    if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+    if not sorted_and_distinct(ids):
         raise DraftConfigError(f"{path}: token ids must be sorted and unique")
     return ids

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dlite_ray.runtime.draft_vocab import sorted_and_distinct
 from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
 
 
@@ -36,8 +37,8 @@ class DLiteSequentialHead(nn.Module):
         a frozen copy of its rows for these tokens does the drafting. Call it once the head
         sits on its device: the copy does not move with the module."""
         ids = token_ids.to(torch.long)
-        if ids.dim() != 1 or ids.numel() == 0 or (ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all())):
-            raise ValueError("token_ids must be a non-empty, sorted list of distinct ids")  # else q would not match
+        if not sorted_and_distinct(ids):
+            raise ValueError("token_ids must be a non-empty, sorted list of distinct ids")
         weight = self.output_proj.weight.detach()
         self.drafted_ids = ids.to(weight.device)
         self._subset_proj = freeze_linear(weight[self.drafted_ids].contiguous())

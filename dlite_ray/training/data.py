@@ -20,6 +20,7 @@ reply only.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -98,7 +99,7 @@ def load_records(path) -> list[Record]:
     return [Record(**d) for d in torch.load(path)]
 
 
-def label_counts(records: list[Record], vocab_size: int) -> torch.Tensor:
+def label_counts(records: Iterable[Record], vocab_size: int) -> torch.Tensor:
     """How often each token is the target's greedy label (for the draft's vocabulary)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for r in records:

@@ -11,6 +11,7 @@ import json
 import logging
 import resource
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
@@ -143,23 +144,28 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     return records
 
 
-def write_draft_vocab(directory: str | Path, records: list[Record], size: int) -> None:
-    """The `size` tokens the target said most often in `records`: all the draft proposes.
-    0 (or the whole vocabulary) removes an earlier subset, so the draft proposes every token.
-    The dev tau that training logs is the whole vocabulary's (the subset barely moves it)."""
-    config = Path(directory) / "config.json"
-    if not config.exists():
-        raise ValueError(f"{directory} is not a draft checkpoint (no config.json)")
-    vocab_size = DraftConfig.from_dict(json.loads(config.read_text())).layers.vocab_size
+def write_draft_vocab(directories: list[str | Path], records: Iterable[Record], size: int) -> None:
+    """The `size` tokens the target said most often in `records`: all the draft proposes,
+    written next to each copy of one draft (labels counted once, read lazily, after the
+    directories are checked). 0 (or the whole vocabulary) removes an earlier subset, so the
+    draft proposes every token. The dev tau that training logs is the whole vocabulary's
+    (the subset barely moves it)."""
+    configs = [Path(d) / "config.json" for d in directories]
+    for config in configs:
+        if not config.exists():
+            raise ValueError(f"{config.parent} is not a draft checkpoint (no config.json)")
+    vocab_size = DraftConfig.from_dict(json.loads(configs[0].read_text())).layers.vocab_size
     if not 0 < size < vocab_size:
-        (Path(directory) / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
-        log.info("%s: the draft proposes every token", directory)
+        for config in configs:
+            (config.parent / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
+        log.info("%s: the draft proposes every token", ", ".join(map(str, directories)))
         return
     counts = label_counts(records, vocab_size)
     ids = frequent_tokens(counts, size)
-    path = save_draft_vocab(directory, ids)
-    log.info("%s: %d tokens, covering %.2f%% of %d training labels", path, ids.numel(),
-             100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
+    for config in configs:
+        path = save_draft_vocab(config.parent, ids)
+        log.info("%s: %d tokens, covering %.2f%% of %d training labels", path, ids.numel(),
+                 100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
 
 
 def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
@@ -220,9 +226,10 @@ def run(args) -> dict:
         summary = train_two_stage(engine, draft, data, cfg, out, args)
     else:
         summary = train(student_objective(draft, cfg), *data, cfg, out)
-    for directory in filter(None, (out / "draft", args.export)):
+    directories = [d for d in (out / "draft", args.export) if d]
+    for directory in directories:
         draft.save(directory)
-        write_draft_vocab(directory, train_records, args.draft_vocab)
+    write_draft_vocab(directories, train_records, args.draft_vocab)
     if initial_dev is not None:
         summary["initial_dev"] = initial_dev
     summary["total_seconds"] = time.perf_counter() - started

@@ -126,7 +126,7 @@ def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
     loaded = DLiteDraftModel.load(tmp_path / "draft", target.embed_tokens, target.cfg.num_layers)
     assert loaded.cfg.target_layer_ids == draft.cfg.target_layer_ids
     # the draft's vocabulary: the labels the target said most often
-    write_draft_vocab(tmp_path / "draft", records, 16)
+    write_draft_vocab([tmp_path / "draft"], records, 16)
     counts = label_counts(records, 128)
     loaded = DLiteDraftModel.load(tmp_path / "draft", target.embed_tokens, target.cfg.num_layers)
     subset = loaded.sequential_head.drafted_ids
