@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--workload", default="dev", help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, dlite-b, "
-                            "dlite-nolookup (the draft without context lookup), lookup (context lookup alone)")
+                            "dlite-nolookup (the draft without context lookup), dlite-fixed (full draft and copy length "
+                            "every round, no adaptive policy), lookup (context lookup alone)")
     bench.add_argument("--target", default=None)
     bench.add_argument("--draft", default="default")
     bench.add_argument("--draft-b", default="default",

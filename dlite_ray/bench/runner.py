@@ -24,7 +24,7 @@ from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir, load
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
-               "dlite-nolookup", "lookup")
+               "dlite-nolookup", "dlite-fixed", "lookup")
 ASSISTANT_LAYERS = 6
 
 
@@ -106,6 +106,9 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=0))
+        elif name == "dlite-fixed":  # the same draft at its full length every round: no adaptive policy
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
+                                                           lookup_tokens=lookup, adaptive_draft_length=False))
         elif name == "lookup":  # tokens copied from the context alone: no DLite draft
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, None,
                                                            lookup_tokens=lookup or DEFAULT_LOOKUP_TOKENS))

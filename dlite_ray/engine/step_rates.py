@@ -4,9 +4,11 @@ The cost model in `speculation_policy.py` allocates draft positions, but a model
 wrong about a machine (per-row overheads, a compute-bound CPU at batch 4, a draft whose
 acceptance drifts). This guard settles "speculate or not" on what the steps actually
 delivered: after each mode has been measured a few times at this batch size, the faster
-one runs, and the slower one is re-measured every EXPLORE_EVERY steps so a change (a
-better draft, other prompts) is noticed. Its price is one step in EXPLORE_EVERY at the
-slower mode.
+one runs, and the slower one is re-measured now and then so a change (a better draft,
+other prompts) is noticed. A probe costs the gap between the two modes, so the wider the
+gap, the rarer the probe: every EXPLORE_EVERY steps at a tie, every EXPLORE_EVERY * lead**2
+at a lead (32 at 2x, the usual lead of a trained draft at batch 1 on a CPU, where probing
+every 8 steps cost ~6% of the throughput), never rarer than MAX_EXPLORE_EVERY.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ class StepRates:
     # SECOND_DECAY: a mode's step time is mostly its last two or three samples, so two or
     # three probes notice that the slower mode became the faster one. TOKEN_DECAY: tokens
     # per step average over ~10 samples (acceptance is noisy step to step).
-    MIN_SAMPLES, EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 0.5, 0.9
+    MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 64, 0.5, 0.9
 
     def __init__(self) -> None:
         self._rates: dict[tuple[int, bool], _Rate] = {}
-        self._steps: Counter[int] = Counter()
+        self._since_probe: Counter[int] = Counter()
 
     def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         rate = self._rates.setdefault((batch_bucket(batch), speculated), _Rate())
@@ -76,7 +78,7 @@ class StepRates:
 
     def should_speculate(self, batch: int, model_says: bool) -> bool:
         b = batch_bucket(batch)
-        self._steps[b] += 1
+        self._since_probe[b] += 1
         spec, plain = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
         known_spec, known_plain = spec.samples >= self.MIN_SAMPLES, plain.samples >= self.MIN_SAMPLES
         if not known_spec and not known_plain:
@@ -84,6 +86,12 @@ class StepRates:
         if not known_spec or not known_plain:
             return not known_spec  # then the other one
         best = spec.value >= plain.value
-        if self._steps[b] % self.EXPLORE_EVERY == 0:
+        if self._since_probe[b] >= self.probe_interval(spec.value, plain.value):
+            self._since_probe[b] = 0
             return not best  # keep the other figure current
         return best
+
+    def probe_interval(self, spec_rate: float, plain_rate: float) -> int:
+        """Steps between probes of the slower mode: EXPLORE_EVERY times the squared lead."""
+        lead = max(spec_rate, plain_rate) / max(min(spec_rate, plain_rate), 1e-9)
+        return min(self.MAX_EXPLORE_EVERY, round(self.EXPLORE_EVERY * lead ** 2))

@@ -104,3 +104,17 @@ def test_a_row_whose_copies_were_cut_tries_copying_again():
     while max(policy.choose([seq] * 4, [0] * 4, copy_caps=[15] * 4)) == 0 and rounds < 50:
         rounds += 1  # not copying: its copy evidence fades
     assert 1 < rounds < 50
+
+
+def test_cost_fits_are_not_tilted_by_a_few_slow_steps():
+    """Draft calls cost 6.9 ms + 0.55 ms per position; a shared machine stalls now and then.
+    Three stalled calls at the longest draft must not make deep positions look expensive."""
+    policy = SpeculationPolicy(max_draft_tokens=7)
+    rng = random.Random(0)
+    for i in range(61):
+        k = 3 + i % 5
+        policy.observe(k + 1, 0.09, 0.0069 + 0.00055 * k + rng.uniform(-2e-4, 2e-4), [k])
+    for _ in range(3):
+        policy.observe(8, 0.09, 0.030, [7])  # stalls
+    assert policy.cost.d1 == pytest.approx(0.00055, abs=1.5e-4)
+    assert policy.cost.d0 == pytest.approx(0.0069, abs=1e-3)

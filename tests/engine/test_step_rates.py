@@ -43,7 +43,16 @@ def test_recovery_when_speculation_becomes_faster():
     rates = StepRates()
     _drive(rates, 2, spec_rate=50.0, plain_rate=100.0, steps=100)
     modes = _drive(rates, 2, spec_rate=200.0, plain_rate=100.0, steps=100)
-    assert sum(modes[-32:]) == 32 - 32 // rates.EXPLORE_EVERY  # all but the probes of plain decoding
+    assert sum(modes[-32:]) == 31  # all but one probe of plain decoding: at a 2x lead, one in 32 steps
+
+
+def test_the_wider_the_gap_the_rarer_the_probe():
+    rates = StepRates()
+    assert rates.probe_interval(100.0, 100.0) == rates.EXPLORE_EVERY
+    assert rates.probe_interval(200.0, 100.0) == rates.probe_interval(100.0, 200.0) == 4 * rates.EXPLORE_EVERY
+    assert rates.probe_interval(1000.0, 1.0) == rates.MAX_EXPLORE_EVERY
+    modes = _drive(rates, 1, spec_rate=200.0, plain_rate=100.0, steps=400)
+    assert 300 / 32 - 1 <= 300 - sum(modes[100:]) <= 300 / 32 + 1  # the probes of plain decoding
 
 
 def test_unlucky_speculative_steps_do_not_turn_a_faster_speculation_off():
