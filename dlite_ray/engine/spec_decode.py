@@ -169,7 +169,8 @@ class SpecDecoder:
             return drafts, None, t.elapsed, True
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]
-        q_probs = {i: proposal.probs[j, :ks[i]] for j, i in enumerate(rows)} if proposal.probs is not None else None
+        probs = proposal.vocabulary_probs(self.runner.target.cfg.vocab_size)
+        q_probs = {i: probs[j, :ks[i]] for j, i in enumerate(rows)} if probs is not None else None
         return drafts, q_probs, t.elapsed, False
 
     def _verify(self, seqs: list[Sequence], modes: list[str], proposal: RoundProposal, outs: list[RowOutput]):

@@ -43,7 +43,17 @@ class HistoryWindow:
 @dataclass(slots=True)
 class DraftProposal:
     tokens: torch.Tensor  # [N, K]
-    probs: torch.Tensor | None  # [N, K, V] the distributions the tokens were drawn from; None if all greedy
+    probs: torch.Tensor | None  # [N, K, W] the distributions the tokens were drawn from; None if all greedy
+    prob_ids: torch.Tensor | None = None  # [W] the token id of each column of probs; None: all V, in order
+
+    def vocabulary_probs(self, vocab_size: int) -> torch.Tensor | None:
+        """[N, K, V]: probs over every token, zero outside prob_ids (what verification reads).
+        A draft with a vocabulary subset keeps its distributions W wide until here, so a
+        transport carries W / V of the bytes."""
+        if self.probs is None or self.prob_ids is None:
+            return self.probs
+        full = self.probs.new_zeros(*self.probs.shape[:-1], vocab_size)
+        return full.index_copy_(-1, self.prob_ids, self.probs)
 
 
 def build_block_position_ids(group_size: int, num_masks: int, num_slots: int, device=None) -> torch.Tensor:
@@ -132,10 +142,12 @@ class DLiteDraftModel(nn.Module):
             if not all_greedy:
                 q = probabilities(logits[:, None], _safe_temperature(sampling))
                 index = torch.where(draft_greedy, index, sample(q, sampling.generators)[:, 0])
-                probs.append(head.scatter_to_vocabulary(q[:, 0]))
+                probs.append(q[:, 0])
             token = head.to_token_ids(index)
             tokens.append(token)
-        return DraftProposal(torch.stack(tokens, 1), None if all_greedy else torch.stack(probs, 1))
+        if all_greedy:
+            return DraftProposal(torch.stack(tokens, 1), None)
+        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), head.drafted_ids)
 
     # -- checkpoint (public layout) ---------------------------------------------------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

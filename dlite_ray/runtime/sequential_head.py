@@ -72,14 +72,6 @@ class DLiteSequentialHead(nn.Module):
         """draft_logits indices -> token ids."""
         return index if self.drafted_ids is None else self.drafted_ids[index]
 
-    def scatter_to_vocabulary(self, probs: torch.Tensor) -> torch.Tensor:
-        """[N, V'] probabilities over the drafted tokens -> [N, V], zero outside them (what
-        verification needs: the distribution the draft sampled from, over every token)."""
-        if self.drafted_ids is None:
-            return probs
-        full = probs.new_zeros(probs.shape[0], self.output_proj.out_features)
-        return full.index_copy_(1, self.drafted_ids, probs)
-
     def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V]."""
         states = []

@@ -6,7 +6,10 @@ whose shapes the header gives.
   target -> draft: header [op, N, G, S, D, K, any_sampled, V]; token_groups int64 [N, G];
                    features bf16 [N, S, D]; temperature fp32 [N]; top_k int64 [N];
                    top_p fp32 [N]; draft_greedy uint8 [N]; seeds int64 [N]
-  draft -> target: tokens int64 [N, K]; if any_sampled: probs fp32 [N, K, V]
+  draft -> target: tokens int64 [N, K]; if any_sampled: width int64 [1] (W), the token
+                   ids int64 [W] that probs' columns stand for when W < V, probs fp32 [N, K, W]
+A draft with a vocabulary subset sends its distributions W wide (8192 of 49152 columns for
+the shipped draft), and the target widens them to V where verification reads them.
 The draft holds no per-request state between rounds (history-free), so there is nothing
 else to keep in sync.
 """
@@ -70,12 +73,20 @@ class DistributedDraftTransport:
             dist.send(t.to(self.device).contiguous(), dst=DRAFT_RANK)
         tokens = torch.empty(n, k, dtype=torch.int64, device=self.device)
         dist.recv(tokens, src=DRAFT_RANK)
-        probs = None
+        probs = prob_ids = None
         if sampled:
-            probs = torch.empty(n, k, self.vocab_size, dtype=torch.float32, device=self.device)
+            width = torch.empty(1, dtype=torch.int64, device=self.device)
+            dist.recv(width, src=DRAFT_RANK)
+            w = int(width)
+            if not 0 < w <= self.vocab_size:
+                raise RuntimeError(f"the draft sent distributions {w} wide for a vocabulary of {self.vocab_size}")
+            if w < self.vocab_size:
+                prob_ids = torch.empty(w, dtype=torch.int64, device=self.device)
+                dist.recv(prob_ids, src=DRAFT_RANK)
+            probs = torch.empty(n, k, w, dtype=torch.float32, device=self.device)
             dist.recv(probs, src=DRAFT_RANK)
         self.comm_time += time.perf_counter() - start
-        return DraftProposal(tokens, probs)
+        return DraftProposal(tokens, probs, prob_ids)
 
     def close(self) -> None:
         if self.healthy and dist.is_initialized():
@@ -94,7 +105,7 @@ def serve_draft(draft: DLiteDraftModel, device: torch.device) -> None:
     header = torch.empty(HEADER, dtype=torch.int64, device=device)
     while True:
         dist.recv(header, src=TARGET_RANK)
-        op, n, g, s, d, k, sampled, _vocab = header.tolist()
+        op, n, g, s, d, k, sampled, vocab = header.tolist()
         if op == OP_SHUTDOWN:
             break
         groups = _recv((n, g), torch.int64, device)
@@ -109,8 +120,18 @@ def serve_draft(draft: DLiteDraftModel, device: torch.device) -> None:
         proposal = draft.propose(feats.to(dtype), groups, k, RowSampling(temperature, top_k, top_p, gens), greedy)
         dist.send(proposal.tokens.contiguous(), dst=TARGET_RANK)
         if sampled:
-            dist.send(proposal.probs.float().contiguous(), dst=TARGET_RANK)
+            _send_probs(proposal, vocab)
     dist.destroy_process_group()
+
+
+def _send_probs(proposal: DraftProposal, vocab: int) -> None:
+    """The draft distributions at the width they were drawn at (see the wire format)."""
+    probs = proposal.probs.float().contiguous()
+    width = probs.shape[-1]
+    dist.send(torch.tensor([width], dtype=torch.int64, device=probs.device), dst=TARGET_RANK)
+    if width < vocab:
+        dist.send(proposal.prob_ids.long().contiguous(), dst=TARGET_RANK)
+    dist.send(probs, dst=TARGET_RANK)
 
 
 def _recv(shape, dtype, device) -> torch.Tensor:

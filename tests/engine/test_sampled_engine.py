@@ -84,12 +84,12 @@ def test_a_subset_draft_whose_distributions_sit_on_the_wrong_tokens_is_caught(sm
                                                                              monkeypatch):
     """Put each subset probability on the next token id: verification then weighs each draft
     by another token's q, and the sampled tokens stop following the target."""
-    from dlite_ray.runtime.sequential_head import DLiteSequentialHead
+    from dlite_ray.runtime.draft_model import DraftProposal
 
     target, _ = small_vocab
     _, want1 = _target_second_token_distribution(target, 0.9)
-    right = DLiteSequentialHead.scatter_to_vocabulary
-    monkeypatch.setattr(DLiteSequentialHead, "scatter_to_vocabulary", lambda self, q: right(self, q).roll(1, dims=-1))
+    right = DraftProposal.vocabulary_probs
+    monkeypatch.setattr(DraftProposal, "vocabulary_probs", lambda self, v: right(self, v).roll(1, dims=-1))
     firsts, _ = _sample(target, subset_draft, 0.9)
     assert chi2_pvalue(firsts, want1.double().numpy()) < 1e-3
 

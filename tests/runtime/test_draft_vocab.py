@@ -89,11 +89,13 @@ def test_sampled_drafts_come_with_distributions_over_the_whole_vocabulary(saved)
     keep = torch.arange(3, 128, 5)
     save_draft_vocab(path, keep)
     out = _propose(_load(target, path), target.cfg.hidden_size, 0.8)
-    assert out.probs.shape == (3, 5, 128)
-    torch.testing.assert_close(out.probs.sum(-1), torch.ones(3, 5))
+    assert out.probs.shape == (3, 5, len(keep)) and torch.equal(out.prob_ids, keep)  # subset-wide until used
+    probs = out.vocabulary_probs(128)
+    assert probs.shape == (3, 5, 128)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(3, 5))
     outside = torch.ones(128, dtype=torch.bool)
     outside[keep] = False
-    assert out.probs[..., outside].abs().max() == 0
+    assert probs[..., outside].abs().max() == 0
     # every drafted token was drawn where its distribution puts mass
-    drawn = out.probs.gather(-1, out.tokens[..., None])[..., 0]
+    drawn = probs.gather(-1, out.tokens[..., None])[..., 0]
     assert (drawn > 0).all() and torch.isin(out.tokens, keep).all()
