@@ -53,8 +53,9 @@ def batch_bucket(batch: int) -> int:
 
 class StepRates:
     # SECOND_DECAY: a mode's step time is mostly its last two or three samples, so two or
-    # three probes notice that the slower mode became the faster one. TOKEN_DECAY: tokens
-    # per step average over ~10 samples (acceptance is noisy step to step).
+    # three probes notice that the slower mode became the faster one (within ~100 steps at
+    # a 2x lead, ~25 at a tie). TOKEN_DECAY: tokens per step average over ~10 samples
+    # (acceptance is noisy step to step).
     MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 64, 0.5, 0.9
 
     def __init__(self) -> None:
