@@ -29,6 +29,8 @@ def _draft_process(address: str, target_dir: str, draft_dir: str, num_layers: in
 
 
 def _free_address() -> str:
+    """A loopback address (draft_worker.free_address takes Ray's node IP when Ray runs, as it
+    does in this test session)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
