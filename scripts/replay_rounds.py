@@ -1,0 +1,112 @@
+"""Replay recorded replies round by round (greedy) to see what a proposer would accept,
+before building it. Usage:
+
+    .venv/bin/python scripts/replay_rounds.py RECORDS.pt DRAFT_DIR
+
+RECORDS.pt is a `dlite-ray train` data file (e.g. OUT/data_dev.pt); DRAFT_DIR a draft of the
+default shape (2 layers, S = 5, R = 64). It prints per-round tau for four proposers: the
+draft alone, the draft plus a second branch that starts with its second choice at position
+1, and both with copying from the context (up to 15 tokens) where a 2-4-token match exists.
+
+Teacher-forced head logits condition each position on the true tokens. A round that
+accepts A tokens then moves on A + 1, as decoding does. A second branch whose first token
+is right continues exactly as the draft's own predictions at positions 2.., so it needs no
+other draft call here.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.training.batches import all_anchors
+from dlite_ray.training.data import load_records
+from dlite_ray.training.pipeline import init_weights, new_draft
+from dlite_ray.training.trainer import TrainConfig, student_objective
+
+K, COPY_TOKENS, NGRAM_SIZES = 7, 15, (4, 3, 2)
+PROPOSERS = ("draft", "draft+branch", "copy", "copy+branch")
+
+
+def predictions(records, draft_dir: Path):
+    """Per anchor (record, reply position): the draft's K greedy tokens and its second choice at position 1."""
+    engine = DLiteEngine.from_pretrained(None, draft=None)
+    draft = new_draft(engine, 2, 5, 64, K + 1, 0)
+    init_weights(draft, draft_dir)
+    objective = student_objective(draft, TrainConfig(steps=1, batch_size=1, lr=1e-3))
+    objective.model.eval()
+    anchors = all_anchors(records, K)
+    best, second = {}, {}
+    with torch.no_grad():
+        for i in range(0, len(anchors), 256):
+            chunk = anchors[i:i + 256]
+            top2 = objective.logits(objective.batch(records, chunk, K)).topk(2, dim=-1).indices
+            for anchor, rows in zip(chunk, top2.tolist()):
+                best[anchor] = [r[0] for r in rows]
+                second[anchor] = rows[0][1]
+    return best, second
+
+
+def accepted(proposal: list[int], truth: list[int]) -> int:
+    n = 0
+    for x, y in zip(proposal, truth):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def copy_from_context(context: list[int]) -> list[int]:
+    """What followed the latest earlier occurrence of the longest suffix found (as the engine copies)."""
+    for n in NGRAM_SIZES:
+        if len(context) <= n:
+            continue
+        suffix = context[-n:]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start:start + n] == suffix:
+                return context[start + n:start + n + COPY_TOKENS]
+    return []
+
+
+def replay(records, best, second, proposer: str) -> list[int]:
+    """Tokens each round kept (A + 1), walking every reply round by round."""
+    rounds = []
+    for r, record in enumerate(records):
+        tokens = record.tokens.tolist()
+        j = 0
+        while j < record.argmax.shape[0] - K:
+            context_end = record.start + j + 2
+            context, truth = tokens[:context_end], tokens[context_end:]
+            if (r, j) not in best:
+                rounds.append(1)
+                j += 1
+                continue
+            copied = copy_from_context(context) if proposer.startswith("copy") else []
+            if copied:
+                a = accepted(copied, truth)
+            else:
+                a = accepted(best[(r, j)], truth)
+                if proposer.endswith("branch") and a == 0 and second[(r, j)] == truth[0]:
+                    a = 1 + accepted(best[(r, j)][1:], truth[1:])
+            rounds.append(a + 1)
+            j += a + 1
+    return rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("records")
+    parser.add_argument("draft", type=Path)
+    args = parser.parse_args()
+    records = load_records(args.records)
+    best, second = predictions(records, args.draft)
+    for proposer in PROPOSERS:
+        rounds = replay(records, best, second, proposer)
+        print(f"{proposer:14s} per-round tau {sum(rounds) / len(rounds):.3f} over {len(rounds)} rounds")
+
+
+if __name__ == "__main__":
+    main()
