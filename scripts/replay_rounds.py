@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from dlite_ray.engine.context_lookup import NgramIndex
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import load_records
 from dlite_ray.training.pipeline import init_weights, new_draft
 from dlite_ray.training.trainer import TrainConfig, student_objective
 
-K, COPY_TOKENS, NGRAM_SIZES = 7, 15, (4, 3, 2)
+K, COPY_TOKENS = 7, 15
 PROPOSERS = ("draft", "draft+branch", "copy", "copy+branch")
 
 
@@ -59,23 +60,12 @@ def accepted(proposal: list[int], truth: list[int]) -> int:
     return n
 
 
-def copy_from_context(context: list[int]) -> list[int]:
-    """What followed the latest earlier occurrence of the longest suffix found (as the engine copies)."""
-    for n in NGRAM_SIZES:
-        if len(context) <= n:
-            continue
-        suffix = context[-n:]
-        for start in range(len(context) - n - 1, -1, -1):
-            if context[start:start + n] == suffix:
-                return context[start + n:start + n + COPY_TOKENS]
-    return []
-
-
 def replay(records, best, second, proposer: str) -> list[int]:
     """Tokens each round kept (A + 1), walking every reply round by round."""
     rounds = []
     for r, record in enumerate(records):
         tokens = record.tokens.tolist()
+        copies = NgramIndex()  # the engine's copy rule; the context only grows along a reply
         j = 0
         while j < record.argmax.shape[0] - K:
             context_end = record.start + j + 2
@@ -84,7 +74,7 @@ def replay(records, best, second, proposer: str) -> list[int]:
                 rounds.append(1)
                 j += 1
                 continue
-            copied = copy_from_context(context) if proposer.startswith("copy") else []
+            copied = copies.continuation(context, COPY_TOKENS) if proposer.startswith("copy") else []
             if copied:
                 a = accepted(copied, truth)
             else:
