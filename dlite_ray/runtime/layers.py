@@ -83,7 +83,7 @@ class Attention(nn.Module):
         self.qkv = freeze_linear(_fuse_into_views(projs, "weight"), bias)
         freeze_linears(self.o_proj)
 
-    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         kv = self.num_kv_heads * self.head_dim
@@ -91,7 +91,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, k, v = self._qkv(x)
+        q, k, v = self.project_qkv(x)
         q = q.view(*lead, self.num_heads, self.head_dim)
         k = k.view(*lead, self.num_kv_heads, self.head_dim)
         v = v.view(*lead, self.num_kv_heads, self.head_dim)

@@ -75,9 +75,10 @@ def test_verify_rows_equal_plain_decoding_bit_for_bit(layout, ctx, dtype):
     greedy speculative output could differ from plain decoding by a rounding (bf16 does)."""
     q, k, v = _inputs(ctx, dtype, seed=3)
     table = _tables(ctx)[layout]
-    decoded = _run(table, q, k, v, [1] * 6, dtype)[-6:]
-    for steps in ([6], [2, 4], [5, 1]):
-        assert torch.equal(_run(table, q, k, v, steps, dtype)[-6:], decoded), steps
+    decoded = _run(table, q, k, v, [1] * 16, dtype)[-16:]
+    # up to MAX_POSITIONED_TOKENS rows in one step (a copy of 15 tokens after the anchor)
+    for steps in ([1] * 10 + [6], [1] * 10 + [2, 4], [1] * 10 + [5, 1], [16], [8, 8], [11, 5]):
+        assert torch.equal(_run(table, q, k, v, steps, dtype)[-16:], decoded), steps
 
 
 @pytest.mark.parametrize("ctx", [WINDOW + 3, LONG])
