@@ -6,7 +6,8 @@ before building it. Usage:
 RECORDS.pt is a `dlite-ray train` data file (e.g. OUT/data_dev.pt); DRAFT_DIR a draft of the
 default shape (2 layers, S = 5, R = 64). It prints per-round tau for four proposers: the
 draft alone, the draft plus a second branch that starts with its second choice at position
-1, and both with copying from the context (up to 15 tokens) where a 2-4-token match exists.
+1, and both with copying from the context (up to 15 tokens) where a 2-4-token match exists;
+and copying only where the draft's first token agrees with the copy's (else the draft).
 
 Teacher-forced head logits condition each position on the true tokens. A round that
 accepts A tokens then moves on A + 1, as decoding does. A second branch whose first token
@@ -29,7 +30,7 @@ from dlite_ray.training.pipeline import init_weights, new_draft
 from dlite_ray.training.trainer import TrainConfig, student_objective
 
 K, COPY_TOKENS = 7, 15
-PROPOSERS = ("draft", "draft+branch", "copy", "copy+branch")
+PROPOSERS = ("draft", "draft+branch", "copy", "copy+branch", "copy-if-draft-agrees", "copy+draft")
 
 
 def predictions(records, draft_dir: Path):
@@ -75,8 +76,12 @@ def replay(records, best, second, proposer: str) -> list[int]:
                 j += 1
                 continue
             copied = copies.continuation(context, COPY_TOKENS) if proposer.startswith("copy") else []
+            if proposer == "copy-if-draft-agrees" and copied and copied[0] != best[(r, j)][0]:
+                copied = []  # the draft's first token disagrees with the copy's: verify the draft
             if copied:
                 a = accepted(copied, truth)
+                if proposer == "copy+draft":  # the draft verified as a second branch beside the copy
+                    a = max(a, accepted(best[(r, j)], truth))
             else:
                 a = accepted(best[(r, j)], truth)
                 if proposer.endswith("branch") and a == 0 and second[(r, j)] == truth[0]:

@@ -37,9 +37,16 @@ def _markdown(results: dict, plots: list[str]) -> str:
         lines.append(f"| {n} | {s['tokens_per_second']:.1f} | {s['e2e_tokens_per_second']:.1f} | "
                      f"{s['ttft_s']:.3f} | {tau} | {copied} | {s['greedy_mismatches']} |")
     lines += ["", "Ratios (decode tokens/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
+    lines += [line for k, v in results.get("paired_ratios", {}).items() for line in (paired_ratio_line(k, v), "")]
     lines += _round_times(results, names)
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
+
+
+def paired_ratio_line(name: str, ratio: dict) -> str:
+    q1, q3 = ratio["quartiles"]
+    return (f"{name} prompt by prompt: median {ratio['median']:.2f}x (quartiles {q1:.2f}x-{q3:.2f}x), "
+            f"total tokens over total time {ratio['total']:.2f}x")
 
 
 def _round_times(results: dict, names: list[str]) -> list[str]:

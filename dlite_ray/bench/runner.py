@@ -17,7 +17,7 @@ from tqdm import tqdm
 from dlite_ray.bench.machine import machine_info
 from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes, truncated_draft
 from dlite_ray.bench.oracle import OracleDraftTransport
-from dlite_ray.bench.report import write_report
+from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir, load_draft
@@ -48,6 +48,7 @@ def run(args) -> dict:
         results["workloads"][w] = measure(methods, items, args)
     results["methods"] = _overall(results["workloads"])
     results["ratios"] = _ratios(results["methods"])
+    results["paired_ratios"] = _paired_ratios(results["workloads"])
     results["draft_memory"] = _draft_memory(dlite)
     if args.concurrency:
         levels = [int(c) for c in str(args.concurrency).split(",")]
@@ -229,6 +230,31 @@ def _ratios(methods: dict) -> dict:
             if n != "dlite" and m["tokens_per_second"]}
 
 
+def _paired_ratios(workloads: dict) -> dict:
+    """dlite against each other method prompt by prompt (both ran each prompt back to back),
+    which a shared machine's drifting speed disturbs less than a ratio of two medians:
+    the median and quartiles of the per-prompt ratios, and total tokens over total time."""
+    rows = {n: [r for w in workloads.values() for r in w[n]["per_prompt"]] for n in next(iter(workloads.values()))}
+    if "dlite" not in rows:
+        return {}
+    mine = rows.pop("dlite")
+    out = {}
+    for name, theirs in rows.items():
+        ratios = [a["decode_tps"] / b["decode_tps"] for a, b in zip(mine, theirs, strict=True)
+                  if a["decode_tps"] and b["decode_tps"]]
+        if len(ratios) < 2:
+            continue
+        q1, median, q3 = statistics.quantiles(ratios, n=4)
+        total = _total_rate(mine) / _total_rate(theirs)
+        out[f"dlite/{name}"] = {"median": median, "quartiles": [q1, q3], "total": total}
+    return out
+
+
+def _total_rate(rows: list[dict]) -> float:
+    """Decode tokens (after the first) over decode time, summed over the prompts."""
+    return sum(r["new_tokens"] - 1 for r in rows) / sum(r["decode_time"] for r in rows)
+
+
 def _draft_memory(engine: DLiteEngine) -> dict:
     cfg = engine.target.cfg
     contexts = [1024, 2048, 4096, 8192]
@@ -255,6 +281,8 @@ def _print_table(results: dict) -> None:
             cells.append(f"{per[n]['tokens_per_second']:>10.1f}" + (f" ({tau:4.2f})" if tau else " " * 7))
         print(f"{w:<14}" + "".join(f"{c:>18}" for c in cells))
     print("ratios: " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()))
+    for k, v in results["paired_ratios"].items():
+        print(paired_ratio_line(k, v))
     for n, m in results["methods"].items():
         if m.get("copied_round_share"):
             drafted = m["mean_accept_length_drafted"]

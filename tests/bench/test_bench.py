@@ -9,7 +9,7 @@ import pytest
 
 from dlite_ray.bench.methods import Run, draft_kv_bytes
 from dlite_ray.bench.report import write_report
-from dlite_ray.bench.runner import _overall, _ratios, build_methods, measure, summarize
+from dlite_ray.bench.runner import _overall, _paired_ratios, _ratios, build_methods, measure, summarize
 from dlite_ray.bench.workloads import load_workload
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from tests.conftest import make_tiny_checkpoint, read_config
@@ -53,6 +53,7 @@ def _results():
     results = {"machine": {"cpu": "x", "cores": 2, "torch_threads": 2, "torch": "t"}, "args": {"a": 1},
                "workloads": workloads, "methods": _overall(workloads)}
     results["ratios"] = _ratios(results["methods"])
+    results["paired_ratios"] = _paired_ratios(workloads)
     results["draft_memory"] = {"contexts": [1, 2], "dlite_bytes": [0, 0], "kv_draft_bytes": [1, 2]}
     return results
 
@@ -72,6 +73,7 @@ def test_result_schema_and_report(tmp_path):
     for m in data["methods"].values():
         assert {"tokens_per_second", "mean_accept_length", "ttft_s", "e2e_tokens_per_second"} <= set(m)
     assert data["ratios"]["dlite/ar"] == pytest.approx(1.0)
+    assert "dlite/ar prompt by prompt: median 1.00x" in (tmp_path / "report.md").read_text()
     report = (tmp_path / "report.md").read_text()
     assert "| w |" in report and "speed_by_workload.png" in report
     # per round: 1 ms of drafting and 10 ms of forward over the two rounds each run reports
@@ -116,3 +118,18 @@ def test_lookup_methods_take_one_drafter_each(tmp_path):
     assert alone.draft is dlite.draft and alone.lookup_tokens == 0
     copying = methods["lookup"].engine
     assert copying.draft is None and copying.lookup_tokens == 15
+
+
+def test_paired_ratios_compare_prompt_by_prompt():
+    """A slow moment of the machine during one prompt moves both methods' times there, so
+    prompt-by-prompt ratios stay put where the ratio of the two medians does not."""
+    def rows(tps, tokens, seconds):
+        return {"per_prompt": [{"decode_tps": t, "new_tokens": n, "decode_time": s}
+                               for t, n, s in zip(tps, tokens, seconds, strict=True)]}
+
+    workloads = {"w": {"dlite": rows([20, 40, 60, 9], [11, 21, 31, 10], [0.5, 0.5, 0.5, 1.0]),
+                       "ar": rows([10, 20, 20, 3], [11, 21, 31, 10], [1.0, 1.0, 1.5, 3.0])}}
+    ratio = _paired_ratios(workloads)["dlite/ar"]
+    assert ratio["median"] == pytest.approx(2.5)  # of 2, 2, 3, 3 (the medians' ratio: 30 / 15 = 2.0)
+    assert ratio["total"] == pytest.approx(6.5 / 2.5)  # the same 69 decode tokens in 2.5 s against 6.5 s
+    assert ratio["quartiles"][0] <= 2.5 <= ratio["quartiles"][1]
