@@ -129,7 +129,7 @@ class DLiteDraftModel(nn.Module):
         if not 1 <= num_tokens <= self.cfg.max_draft_tokens:
             raise ValueError(f"num_tokens={num_tokens} outside [1, {self.cfg.max_draft_tokens}]")
         head = self.sequential_head
-        u = self.backbone(features, token_groups, num_tokens).to(head.state_proj.weight.dtype)
+        u = self.backbone(features, token_groups, num_tokens).to(head.state_proj.weight.dtype)  # the head's dtype
         prev = token_groups[:, -2] if token_groups.shape[1] > 1 else None
         state = head.initial_state(u.shape[0], u, prev)
         token = token_groups[:, -1]
@@ -155,7 +155,8 @@ class DLiteDraftModel(nn.Module):
 
         The head runs K times a round on a batch of a few rows, so its cost is per call,
         not per weight byte: on CPU a bf16 linear of this size costs ~55 us a call, a float32
-        one ~12 us (the R -> V projection ~95 vs ~60 us), for 2 MB more memory."""
+        one ~12 us (the R -> V projection ~95 vs ~60 us). Its V x R tables then take ~13 MB
+        more, next to a target of hundreds of MB."""
         for layer in self.layers:
             layer.self_attn.freeze()
             layer.mlp.freeze()
@@ -207,7 +208,7 @@ class DLiteDraftModel(nn.Module):
 
 def _project_context(attn, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     lead = ctx.shape[:-1]
-    _, k, v = attn.project_qkv(ctx)  # one fused call once frozen (the few q rows are cheaper than two calls)
+    k, v = attn.project_kv(ctx)
     k = k.view(*lead, attn.num_kv_heads, attn.head_dim)
     v = v.view(*lead, attn.num_kv_heads, attn.head_dim)
     if attn.k_norm is not None:

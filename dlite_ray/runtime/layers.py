@@ -89,6 +89,13 @@ class Attention(nn.Module):
         kv = self.num_kv_heads * self.head_dim
         return self.qkv(x).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
 
+    def project_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values only (the draft's context slots): once frozen in the one fused call,
+        since a few wasted q rows cost less than a second call; in training, only k and v."""
+        if self.qkv is None:
+            return self.k_proj(x), self.v_proj(x)
+        return self.project_qkv(x)[1:]
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
         lead = x.shape[:-1]
         q, k, v = self.project_qkv(x)
