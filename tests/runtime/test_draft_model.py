@@ -61,6 +61,23 @@ def test_roundtrip_in_public_layout(saved_draft):
     assert torch.equal(_propose(draft, target).tokens, _propose(loaded, target).tokens)
 
 
+def test_a_bf16_draft_drafts_through_a_float32_head(saved_draft):
+    """Loaded for inference in bf16, the backbone stays bf16 and the sequential head runs in
+    float32 (cheaper per call on CPU); sampled rows still get distributions that sum to 1."""
+    target, _, path = saved_draft
+    loaded = DLiteDraftModel.load(path, target.embed_tokens, target.cfg.num_layers, dtype=torch.bfloat16)
+    assert loaded.layers[0].self_attn.qkv is not None and loaded.layers[0].mlp.gate_up is not None  # fused
+    assert loaded.norm.weight.dtype == torch.bfloat16
+    assert loaded.sequential_head.state_proj.weight.dtype == torch.float32
+    feats = torch.randn(2, loaded.cfg.num_slots, target.cfg.hidden_size, dtype=torch.bfloat16)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    s = RowSampling.build([0.8, 0.0], [0, 0], [1.0, 1.0], gens)
+    out = loaded.propose(feats, torch.tensor([[5], [9]]), 5, s, torch.tensor([False, True]))
+    assert out.tokens.shape == (2, 5) and out.probs.dtype == torch.float32
+    torch.testing.assert_close(out.probs.sum(-1), torch.ones(2, 5))
+    assert (out.probs[0].gather(-1, out.tokens[0, :, None]) > 0).all()  # drawn where q is positive
+
+
 def _edit_config(path, fn):
     cfg = json.loads((path / "config.json").read_text())
     fn(cfg)
