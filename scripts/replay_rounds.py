@@ -4,10 +4,14 @@ before building it. Usage:
     .venv/bin/python scripts/replay_rounds.py RECORDS.pt DRAFT_DIR
 
 RECORDS.pt is a `dlite-ray train` data file (e.g. OUT/data_dev.pt); DRAFT_DIR a draft of the
-default shape (2 layers, S = 5, R = 64). It prints per-round tau for four proposers: the
-draft alone, the draft plus a second branch that starts with its second choice at position
-1, and both with copying from the context (up to 15 tokens) where a 2-4-token match exists;
-and copying only where the draft's first token agrees with the copy's (else the draft).
+default shape (2 layers, S = 5, R = 64). It prints per-round tau for six proposers:
+  draft                 the draft alone (K tokens)
+  draft+branch          plus a second branch that starts with its second choice at position 1
+  copy                  copying from the context (up to 15 tokens) where a 2-4-token match
+                        exists, else the draft (what the engine does)
+  copy+branch           copy, with the second branch in drafted rounds
+  copy-if-draft-agrees  copy only where the draft's first token agrees with the copy's
+  copy+draft            copy, with the draft verified as a second branch beside each copy
 
 Teacher-forced head logits condition each position on the true tokens. A round that
 accepts A tokens then moves on A + 1, as decoding does. A second branch whose first token

@@ -23,6 +23,9 @@ class EngineArgs(BaseModel):
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
     disaggregated_draft: bool = Field(True, description="run the draft in its own actor (bundle 1) over torch.distributed")
     draft_timeout_s: float = Field(30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
+    cpu_threads: int | None = Field(
+        None, ge=1, description="torch threads of the target and of the draft on CPU; null = every core the worker "
+                                "may run on (not Ray's logical num_cpus, which is 0 on small machines)")
 
 
 class LimitArgs(BaseModel):

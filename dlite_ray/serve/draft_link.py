@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 
 class DraftLink:
     def __init__(self, info: DraftInfo, vocab_size: int, target_path: str, draft_path: str, num_target_layers: int,
-                 dtype: str, device: str, timeout_s: float = 30.0):
+                 dtype: str, device: str, timeout_s: float = 30.0, cpu_threads: int | None = None):
         self.info = info
-        self._spec = (target_path, draft_path, num_target_layers, dtype, device)
+        self._spec = (target_path, draft_path, num_target_layers, dtype, device, cpu_threads)
         self._vocab, self._timeout = vocab_size, timeout_s
         self._device = torch.device("cuda:0" if device == "cuda" else "cpu")
         self._backend = "nccl" if device == "cuda" else "gloo"
@@ -41,6 +41,7 @@ class DraftLink:
         self._lock = threading.Lock()
         self._connecting = False
         self.restarts = 0
+        self.cpu_threads: int | None = None  # what the connected draft worker runs on
         self.connect_async()
 
     @property
@@ -90,6 +91,7 @@ class DraftLink:
             self._teardown()
             self._actor = self._spawn()
             ray.get(self._actor.ping.remote(), timeout=300)
+            self.cpu_threads = ray.get(self._actor.cpu_threads.remote(), timeout=60)
             address = free_address()
             self._serving = self._actor.serve.remote(address, self._backend, self._timeout)
             init_pair(address, TARGET_RANK, self._backend, self._timeout)  # blocks until rank 1 joins

@@ -8,6 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import torch
 from ray import serve
 
 from dlite_ray.engine.async_engine import AsyncEngine
@@ -17,6 +18,7 @@ from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.serve.config import AppArgs, EngineArgs
+from dlite_ray.serve.cpu_threads import use_cpu_threads
 from dlite_ray.serve.draft_link import DraftLink
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,8 @@ def build_engine(args: EngineArgs) -> DLiteEngine:
     from dlite_ray.runtime.model_store import default_model_dir
 
     device = "cuda:0" if args.device == "cuda" else "cpu"
+    if args.device == "cpu":
+        use_cpu_threads(args.cpu_threads)
     target_path = Path(args.target) if args.target else default_model_dir()
     draft_path = {"none": None, "default": default_draft_dir() if not args.target else None}.get(args.draft, args.draft)
     kwargs = {"num_draft_tokens": args.num_draft_tokens, "adaptive_draft_length": args.adaptive_draft_length,
@@ -42,7 +46,7 @@ def build_engine(args: EngineArgs) -> DLiteEngine:
     info = DraftInfo(checkpoint_fingerprint(draft_path), cfg.anchor_group_size, cfg.max_draft_tokens,
                      tuple(cfg.target_layer_ids))
     link = DraftLink(info, target.cfg.vocab_size, str(target_path), str(draft_path), target.cfg.num_layers,
-                     args.dtype, args.device, args.draft_timeout_s)
+                     args.dtype, args.device, args.draft_timeout_s, args.cpu_threads)
     return DLiteEngine(target, tokenizer, link, **kwargs)
 
 
@@ -104,6 +108,8 @@ class TargetWorker:
         out["draft_connected"] = bool(getattr(draft, "connected", draft is not None))
         out["draft_restarts"] = getattr(draft, "restarts", 0)
         out["draft_comm_time_s"] = getattr(draft, "comm_time", 0.0)
+        out["cpu_threads"] = torch.get_num_threads()
+        out["draft_cpu_threads"] = getattr(draft, "cpu_threads", None)  # a draft in its own actor
         return out
 
     async def kill_draft(self) -> bool:

@@ -4,6 +4,7 @@ OpenAI HTTP (streaming and not), gRPC Generate, typed errors, a killed draft act
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import grpc
@@ -52,6 +53,15 @@ def test_chat_completion_equals_library_engine(serve_app, reference):
     assert body["choices"][0]["message"]["content"] == reference.text
     assert body["usage"]["completion_tokens"] == len(reference.token_ids)
     assert body["dlite_stats"]["draft_time"] > 0  # the round went through the draft process
+
+
+def test_cpu_workers_decode_on_every_core(serve_app):
+    """Ray gives an actor with num_cpus 0 OMP_NUM_THREADS=1, which ran the served target on
+    one core; the target and draft workers set torch's threads themselves."""
+    _wait_for_draft(serve_app)
+    stats = _worker(serve_app).stats.remote().result()
+    cores = len(os.sched_getaffinity(0))
+    assert (stats["cpu_threads"], stats["draft_cpu_threads"]) == (cores, cores)
 
 
 def test_streaming_chat_completion(serve_app, reference):
