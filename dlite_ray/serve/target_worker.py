@@ -46,7 +46,7 @@ def build_engine(args: EngineArgs) -> DLiteEngine:
     info = DraftInfo(checkpoint_fingerprint(draft_path), cfg.anchor_group_size, cfg.max_draft_tokens,
                      tuple(cfg.target_layer_ids))
     link = DraftLink(info, target.cfg.vocab_size, str(target_path), str(draft_path), target.cfg.num_layers,
-                     args.dtype, args.device, args.draft_timeout_s, args.cpu_threads)
+                     args.dtype, args.device, args.draft_timeout_s, args.draft_cpu_threads)
     return DLiteEngine(target, tokenizer, link, **kwargs)
 
 
