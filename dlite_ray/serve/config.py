@@ -24,8 +24,9 @@ class EngineArgs(BaseModel):
     disaggregated_draft: bool = Field(True, description="run the draft in its own actor (bundle 1) over torch.distributed")
     draft_timeout_s: float = Field(30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads of the target on CPU; null = every core the worker may run on "
-                                "(not Ray's logical num_cpus, which is 0 on small machines)")
+        None, ge=1, description="torch threads of the target on CPU; null = every core the worker may run on but "
+                                "one, left to the ingress, proxy and draft (not Ray's logical num_cpus, 0 on small "
+                                "machines); every core is faster for one request at a time, slower under load")
     draft_cpu_threads: int = Field(
         1, ge=1, description="torch threads of the draft actor on CPU: one by default, so that its idle OpenMP "
                             "threads do not spin against the target's forward")
