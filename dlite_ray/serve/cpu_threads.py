@@ -22,9 +22,7 @@ import os
 import torch
 
 
-def use_cpu_threads(requested: int | None) -> int:
+def use_cpu_threads(requested: int | None) -> None:
     """Set torch's intra-op threads to `requested`, or to every core this process may run on
     but one (at least one)."""
-    n = requested or max(1, len(os.sched_getaffinity(0)) - 1)
-    torch.set_num_threads(n)
-    return n
+    torch.set_num_threads(requested or max(1, len(os.sched_getaffinity(0)) - 1))

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 class DraftLink:
     def __init__(self, info: DraftInfo, vocab_size: int, target_path: str, draft_path: str, num_target_layers: int,
-                 dtype: str, device: str, timeout_s: float = 30.0, cpu_threads: int = 1):
+                 dtype: str, device: str, timeout_s: float, cpu_threads: int):
         self.info = info
         self._spec = (target_path, draft_path, num_target_layers, dtype, device, cpu_threads)
         self._vocab, self._timeout = vocab_size, timeout_s

@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 @ray.remote(max_concurrency=2)  # serve() runs for the actor's life; ping() must still answer
 class DraftWorker:
     def __init__(self, target_path: str, draft_path: str, num_target_layers: int, dtype: str, device: str,
-                 cpu_threads: int = 1):
+                 cpu_threads: int):
         self.device = torch.device("cuda:0" if device == "cuda" else "cpu")  # each actor sees its GPU as cuda:0
         if device == "cpu":
             use_cpu_threads(cpu_threads)
