@@ -7,6 +7,7 @@ flash-attn on CUDA when importable, else SDPA.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass, field
 
@@ -37,9 +38,8 @@ class WindowReads:
     """Where one position-exact call reads its keys: the same in every layer of a forward,
     so it is worked out by the first layer only."""
 
-    chunks: list[slice | torch.Tensor]  # before the window: a view's slots, or the slots to gather
-    window: torch.Tensor  # [WINDOW] slots, padded with the last one
-    mask: torch.Tensor  # [MAX_POSITIONED_ROWS, WINDOW] additive: -inf after each row's position
+    keys: slice | torch.Tensor  # positions [0, end): a view's slots, or the slots to gather (padded)
+    mask: torch.Tensor  # [rows, end] additive: -inf after each row's position
 
 
 @dataclass(slots=True)
@@ -97,14 +97,13 @@ def _causal_scores(keys_from: int, num_keys: int, rows_from: int, num_rows: int,
 
 
 # Decode and verify steps (up to MAX_POSITIONED_TOKENS new tokens per sequence) go the
-# position-exact way, in kernel calls of MAX_POSITIONED_ROWS GQA-folded query rows (query
-# heads per KV head x new tokens). 48 rows hold all 16 positions of SmolLM2 (3 query heads
-# per KV head) in one call per window: with 32, a step of 11-16 tokens (a long copy) took
-# a second round of calls in every layer and cost 1.31x a 1-token step (300 tokens of
-# context, bf16); with 48 it costs 1.12x.
-# WINDOW: the part of the context each row attends masked; CHUNK: the fixed pieces the
-# context before it is read in (a multiple of WINDOW: calls per layer grow as ctx / CHUNK).
-MAX_POSITIONED_TOKENS, MAX_POSITIONED_ROWS, WINDOW, CHUNK = 16, 48, 256, 1024
+# position-exact way: one kernel call per window of rows, over the keys of positions
+# [0, w + WINDOW) where w = p - p % WINDOW, masked after each row's position p. The key
+# count is then a function of the position alone, so a row sees the same arithmetic in a
+# decode step and in a verify step. A call holds at most MAX_POSITIONED_ROWS GQA-folded
+# query rows (query heads per KV head x new tokens): 48 hold all 16 positions of SmolLM2
+# (3 query heads per KV head).
+MAX_POSITIONED_TOKENS, MAX_POSITIONED_ROWS, WINDOW = 16, 48, 256
 
 
 class SdpaBackend:
@@ -166,58 +165,91 @@ def _folded_mask(span: SequenceSpan, group: int, dtype: torch.dtype, device: tor
 def _attend_positioned(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
                        span: SequenceSpan) -> torch.Tensor:
     """Decode / verify rows q [n, Hq, Dh] -> [n, Hq, Dh], each computed the same way whatever
-    step it is in and wherever its blocks sit. The context of the row at position p splits
-    at w = p - p % WINDOW:
-      - positions [0, w) in chunks at fixed positions (multiples of CHUNK): one call each,
-        a view when the chunk's slots are consecutive, else gathered (same values, same
-        shape, same arithmetic), no mask;
-      - the window [w, w + WINDOW): gathered, padded, masked after p, one call.
-    Every call has exactly MAX_POSITIONED_ROWS query rows (padded), so the kernel picks the
-    same arithmetic for a decode step and a verify step; the parts are merged per row by
-    their log-sum-exp (one softmax over all keys, up to rounding)."""
+    step it is in and wherever its blocks sit. The row at position p attends, in one kernel
+    call, the keys of positions [0, w + WINDOW) with w = p - p % WINDOW, masked after p: the
+    rows of a step that fall in one window share the call. The keys are a view of the cache
+    when the sequence's slots are consecutive, else gathered (same values, same shape);
+    slots past the context are masked, so what they hold never counts."""
     n, hq, _ = q.shape
     per_call = MAX_POSITIONED_ROWS // (hq // k_all.shape[0])  # positions per kernel call
     first = span.ctx_len - n  # position of the first new token
     outs, i = [], 0
     while i < n:  # the rows of one window at a time (a verify step may cross into the next)
-        start = (first + i) - (first + i) % WINDOW
-        j = min(n, start + WINDOW - first, i + per_call)
-        outs.append(_attend_window_rows(q[i:j], k_all, v_all, span, start, first + i))
+        end = (first + i) - (first + i) % WINDOW + WINDOW
+        j = min(n, end - first, i + per_call)
+        outs.append(_attend_window_rows(q[i:j], k_all, v_all, span, end, first + i))
         i = j
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, span: SequenceSpan,
-                        start: int, first: int) -> torch.Tensor:
-    """Rows q [m, Hq, Dh] at positions first.. first + m - 1, all in the window from `start`."""
+                        end: int, first: int) -> torch.Tensor:
+    """Rows q [m, Hq, Dh] at positions first.. first + m - 1, all before position `end`."""
     m, hq, dh = q.shape
     hkv = k_all.shape[0]
     group = hq // hkv
     real = group * m
     rows = q.view(m, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, real, dh)
-    rows = F.pad(rows, (0, 0, 0, MAX_POSITIONED_ROWS - real))
-    reads = _window_reads(span, start, first, m, group, q.dtype, q.device)
-    parts = [_attend_with_lse(rows, *_read(k_all, v_all, chunk)) for chunk in reads.chunks]
-    parts.append(_attend_with_lse(rows, *_read(k_all, v_all, reads.window), reads.mask))
-    out = parts[0][0] if len(parts) == 1 else _merge(parts, q.dtype)
+    num_rows = _kernel_rows(real, group, q)
+    if num_rows > real:
+        rows = F.pad(rows, (0, 0, 0, num_rows - real))
+    reads = _window_reads(span, k_all.shape[1], end, first, m, group, num_rows, q.dtype, q.device)
+    out = _attend_masked(rows, *_read(k_all, v_all, reads.keys), reads.mask)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
 
 
-def _window_reads(span: SequenceSpan, start: int, first: int, m: int, group: int, dtype: torch.dtype,
-                  device: torch.device) -> WindowReads:
-    """The reads of the call whose m rows start at position `first` (window from `start`)."""
+def _kernel_rows(real: int, group: int, q: torch.Tensor) -> int:
+    """How many query rows a position-exact call gives the kernel for `real` rows: only the
+    real ones where the CPU kernel computes a row the same whatever the call's row count
+    (measured once, `_rows_computed_alone`), else always MAX_POSITIONED_ROWS (padded), so
+    that a decode step and a verify step run the same arithmetic either way. A decode call
+    has 3 real rows of 48 for SmolLM2: at 3000 tokens of context it costs ~4x less unpadded."""
+    if q.device.type == "cpu" and _rows_computed_alone(q.dtype, q.shape[-1], group):
+        return _unpadded(real)
+    return MAX_POSITIONED_ROWS
+
+
+def _unpadded(real: int) -> int:
+    # The CPU kernel works in blocks of 32 query rows, and a block of one row takes another
+    # code path that rounds differently (measured: rows 1 and 33 of a call); one padding row
+    # keeps every block at two rows or more.
+    return real + 1 if real % 32 == 1 else real
+
+
+@functools.cache
+def _rows_computed_alone(dtype: torch.dtype, head_dim: int, group: int) -> bool:
+    """Whether the CPU kernel gives every row the same bits in a call of each row count the
+    position-exact path may use as in a full MAX_POSITIONED_ROWS call (random inputs,
+    masked, 88 key counts up to 12 windows; ~0.5 s once per process and shape). A rounding
+    difference shows only for some inputs: with the one-row guard of `_unpadded` left out,
+    this finds it within the first 45 key counts here."""
+    gen = torch.Generator().manual_seed(0)
+    counts = sorted({_unpadded(group * m) for m in range(1, MAX_POSITIONED_ROWS // group + 1)})
+    for num_keys in (*range(1, 4 * WINDOW + 76, 13), 5 * WINDOW + 7, 8 * WINDOW + 1, 12 * WINDOW + 28):
+        q = torch.randn(3, MAX_POSITIONED_ROWS, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(3, num_keys, head_dim, generator=gen).to(dtype) for _ in range(2))
+        last_key = torch.randint(0, num_keys, (MAX_POSITIONED_ROWS, 1), generator=gen)
+        mask = torch.zeros(MAX_POSITIONED_ROWS, num_keys, dtype=dtype)
+        mask = mask.masked_fill(torch.arange(num_keys)[None, :] > last_key, float("-inf"))
+        full = _attend_masked(q, k, v, mask)
+        if any(not torch.equal(_attend_masked(q[:, :r], k, v, mask[:r]), full[:, :r]) for r in counts):
+            return False
+    return True
+
+
+def _window_reads(span: SequenceSpan, num_slots: int, end: int, first: int, m: int, group: int, num_rows: int,
+                  dtype: torch.dtype, device: torch.device) -> WindowReads:
+    """The reads of the call whose m rows start at position `first` (keys of [0, end))."""
     if first not in span.window_reads:
-        slots = _context_slots(span, device)
-        chunks = []
-        for a in range(0, start, CHUNK):
-            b = min(start, a + CHUNK)
-            run = _inside_one_run(span.kv_runs, a, b)
-            chunks.append(run if run is not None else slots[a:b])  # a view when it can be, no copy
-        window = slots[start:start + WINDOW]
-        window = torch.cat([window, window[-1:].expand(WINDOW - window.numel())])  # padding, masked below
-        mask = F.pad(_causal_scores(start, WINDOW, first, m, group, dtype, device),
-                     (0, 0, 0, MAX_POSITIONED_ROWS - group * m))
-        span.window_reads[first] = WindowReads(chunks, window, mask)
+        known = min(end, span.ctx_len)
+        run = _inside_one_run(span.kv_runs, 0, known)
+        if run is not None and run.start + end <= num_slots:
+            keys = slice(run.start, run.start + end)  # a view; slots past the context are masked
+        else:
+            slots = _context_slots(span, device)[:known]
+            keys = torch.cat([slots, slots[-1:].expand(end - known)])  # padding, masked below
+        mask = F.pad(_causal_scores(0, end, first, m, group, dtype, device), (0, 0, 0, num_rows - group * m))
+        span.window_reads[first] = WindowReads(keys, mask)
     return span.window_reads[first]
 
 
@@ -240,13 +272,6 @@ def _inside_one_run(runs: list[slice], a: int, b: int) -> slice | None:
     return None
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
-    """Attention over the union of the parts' keys, from each part's output and log-sum-exp."""
-    outs, lses = zip(*parts, strict=True)
-    weights = torch.stack(lses).softmax(dim=0)[..., None]  # [parts, Hkv, rows, 1]
-    return (torch.stack(outs).float() * weights).sum(dim=0).to(dtype)
-
-
 def _context_slots(span: SequenceSpan, device: torch.device) -> torch.Tensor:
     """The span's context as one slot index per position, built once per forward."""
     if span.kv_slots is None:
@@ -254,17 +279,13 @@ def _context_slots(span: SequenceSpan, device: torch.device) -> torch.Tensor:
     return span.kv_slots
 
 
-def _attend_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     additive_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, R, Dh] over k, v [H, L, Dh] -> (out [H, R, Dh], log-sum-exp of the scores [H, R])."""
-    if q.device.type == "cpu":  # the fused kernel reads strided views and returns the LSE
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], attn_mask=additive_mask)
-        return out[0], lse[0].float()
-    scores = (q.float() @ k.float().transpose(1, 2)) * q.shape[-1] ** -0.5
-    if additive_mask is not None:
-        scores = scores + additive_mask.float()
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype), scores.logsumexp(dim=-1)
+def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
+    """q [H, R, Dh] over k, v [H, L, Dh] with an additive mask [R, L] -> [H, R, Dh]."""
+    if q.device.type == "cpu":  # the fused kernel reads strided views
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], attn_mask=additive_mask)[0][0]
+    scores = (q.float() @ k.float().transpose(1, 2)) * q.shape[-1] ** -0.5 + additive_mask.float()
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
 class FlashAttnBackend:

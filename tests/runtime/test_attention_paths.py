@@ -1,7 +1,7 @@
 """The SDPA backend over the paged cache: every read path (prefill views and gathers, the
-position-exact decode / verify path with its chunks, window and merge) equals plain causal
-attention, and a decode or verify row is computed bit for bit the same whatever step it is
-in and wherever its blocks sit."""
+position-exact decode / verify path, padded or not) equals plain causal attention, and a
+decode or verify row is computed bit for bit the same whatever step it is in and wherever
+its blocks sit."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlite_ray.runtime.attention import CHUNK, WINDOW, SdpaBackend, build_attention_metadata
+from dlite_ray.runtime import attention
+from dlite_ray.runtime.attention import WINDOW, SdpaBackend, build_attention_metadata
 from dlite_ray.runtime.kv_cache import PagedKVCache
 
 BS, HKV, GROUP, DH = 4, 2, 3, 8
 NUM_BLOCKS = 512
-LONG = CHUNK + WINDOW + 7  # two chunks before the window, and a window crossing
+LONG = 5 * WINDOW + 7  # a long context and, in the last 16 steps, a window crossing
 
 
 def _tables(ctx: int) -> dict[str, list[int]]:
@@ -67,10 +68,19 @@ def test_every_path_equals_plain_causal_attention(layout, ctx, steps):
     torch.testing.assert_close(out.double(), _reference(q, k, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture(params=["measured", "padded"])
+def row_policy(request, monkeypatch):
+    """Kernel calls carry only their real rows where the kernel was measured to allow it
+    (this machine's bf16: yes), or always the full padded count (what other kernels get)."""
+    if request.param == "padded":
+        monkeypatch.setattr(attention, "_rows_computed_alone", lambda *shape: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("ctx", [40, WINDOW + 3, LONG])
 @pytest.mark.parametrize("layout", ["consecutive", "three runs", "scattered"])
-def test_verify_rows_equal_plain_decoding_bit_for_bit(layout, ctx, dtype):
+def test_verify_rows_equal_plain_decoding_bit_for_bit(layout, ctx, dtype, row_policy):
     """A verify step must compute each row exactly as decoding that token alone would, or
     greedy speculative output could differ from plain decoding by a rounding (bf16 does)."""
     q, k, v = _inputs(ctx, dtype, seed=3)
@@ -88,3 +98,20 @@ def test_decode_rows_do_not_depend_on_where_the_blocks_sit(ctx):
     q, k, v = _inputs(ctx, torch.bfloat16, seed=5)
     outs = [_run(table, q, k, v, [1] * 4, torch.bfloat16)[-4:] for table in _tables(ctx).values()]
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
+def test_a_kernel_that_rounds_by_row_count_gets_padded_calls(monkeypatch):
+    """The measurement behind unpadded calls must catch a kernel whose rows depend on the
+    call's row count, as the real one does for a block of one row (see `_unpadded`)."""
+    kernel = attention._attend_masked
+
+    def rounds_by_row_count(q, k, v, mask):
+        out = kernel(q, k, v, mask)
+        return out if q.shape[1] == attention.MAX_POSITIONED_ROWS else out + torch.finfo(out.dtype).eps
+
+    monkeypatch.setattr(attention, "_attend_masked", rounds_by_row_count)
+    attention._rows_computed_alone.cache_clear()
+    try:
+        assert not attention._rows_computed_alone(torch.bfloat16, DH, GROUP)
+    finally:
+        attention._rows_computed_alone.cache_clear()
