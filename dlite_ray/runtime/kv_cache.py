@@ -36,6 +36,11 @@ class PagedKVCache:
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slot_mapping: [T]; k, v: [T, Hkv, Dh]
+        # The cache holds only finite values: attention reads masked keys past a sequence's
+        # end (a view over slots other sequences wrote), and a masked key counts for exactly
+        # nothing only if it is finite. A request whose activations overflow thus cannot
+        # poison another's attention (its own output is garbage either way).
+        k, v = _finite(k), _finite(v)
         if self.block_major:
             self.k[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
             self.v[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
@@ -55,3 +60,7 @@ class PagedKVCache:
 
     def memory_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)

@@ -32,10 +32,14 @@ def _tables(ctx: int) -> dict[str, list[int]]:
     }
 
 
-def _run(table: list[int], q, k, v, steps: list[int], dtype) -> torch.Tensor:
+def _cache(dtype) -> PagedKVCache:
+    return PagedKVCache(SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1), NUM_BLOCKS, BS, dtype, "cpu")
+
+
+def _run(table: list[int], q, k, v, steps: list[int], dtype, cache: PagedKVCache | None = None) -> torch.Tensor:
     """Prefill all but sum(steps) tokens, then the rest in steps of the given sizes
     (1, 1, 1 = plain decoding; 4 = one verify step); every token's output."""
-    cache = PagedKVCache(SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1), NUM_BLOCKS, BS, dtype, "cpu")
+    cache = cache or _cache(dtype)
     backend = SdpaBackend()
     outs, done = [], 0
     for n in [q.shape[0] - sum(steps), *steps]:
@@ -115,3 +119,17 @@ def test_a_kernel_that_rounds_by_row_count_gets_padded_calls(monkeypatch):
         assert not attention._rows_computed_alone(torch.bfloat16, DH, GROUP)
     finally:
         attention._rows_computed_alone.cache_clear()
+
+
+def test_a_sequence_that_overflowed_does_not_disturb_another():
+    """A decode row reads its keys as a view that runs past its context into slots other
+    sequences wrote (masked). One whose keys and values overflowed (NaN, inf) there must
+    not change the row: the cache keeps only finite values."""
+    ctx = 40
+    q, k, v = _inputs(ctx, torch.bfloat16, seed=7)
+    table = list(range(-(-ctx // BS)))  # consecutive from block 0
+    clean = _run(table, q, k, v, [1] * 4, torch.bfloat16)
+    cache = _cache(torch.bfloat16)
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(ctx)[:ctx, None, None].expand(ctx, HKV, DH)
+    _run(list(range(len(table), 2 * len(table))), q, bad.bfloat16(), bad.bfloat16(), [1] * 4, torch.bfloat16, cache)
+    assert torch.equal(_run(table, q, k, v, [1] * 4, torch.bfloat16, cache), clean)
