@@ -9,11 +9,16 @@ tokens start the same way (ref counts). A block nobody references keeps its cont
 hash in an LRU list until a fresh block is needed. Only full, committed blocks are
 shared, so a sequence only ever writes into blocks it owns alone; a shared block handed
 to a writer is copied first (`copy_on_write`).
+
+Placement: a sequence grows into the block after its last one when that is free, and a
+new run starts where it leaves room for the runs before it to grow (`_new_run_start`).
+CPU attention reads a sequence whose blocks are consecutive as one view of the cache and
+gathers any other, and gathering cost ~20% of a batched decode step (4 requests with
+1.5K-token contexts) when concurrent sequences took blocks in turn.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -38,7 +43,7 @@ class BlockManager:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_cache = enable_prefix_cache
-        self._free: list[int] = list(range(num_blocks))  # min-heap: consecutive blocks for lone sequences
+        self._free: set[int] = set(range(num_blocks))  # never used, or used and not cached
         self._ref_counts = [0] * num_blocks
         self._by_hash: dict[int, int] = {}  # chain hash -> block
         self._content: dict[int, _CachedBlock] = {}  # block -> what it caches
@@ -66,7 +71,7 @@ class BlockManager:
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} more KV blocks, {self.num_free_blocks} free")
         for _ in range(missing):
-            table.append(self._take_fresh())
+            table.append(self._take_fresh(after=table[-1] if table else None))
 
     def crop(self, table: list[int], num_tokens: int) -> None:
         """Roll back: keep only the blocks that hold the first `num_tokens` positions."""
@@ -122,7 +127,7 @@ class BlockManager:
         block = table[index]
         if self._ref_counts[block] == 1 and block not in self._content:
             return
-        fresh = self._take_fresh()
+        fresh = self._take_fresh(after=table[index - 1] if index else None)
         self.copies.append((block, fresh))
         self._release(block)
         table[index] = fresh
@@ -135,9 +140,11 @@ class BlockManager:
         self._release(block)
 
     # -- internals ------------------------------------------------------------------------------
-    def _take_fresh(self) -> int:
+    def _take_fresh(self, after: int | None = None) -> int:
+        """A block for a table whose last block is `after` (None: a table's first block)."""
         if self._free:
-            block = heapq.heappop(self._free)
+            block = after + 1 if after is not None and after + 1 in self._free else self._new_run_start()
+            self._free.remove(block)
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)  # least recently used
             self._forget(block)
@@ -145,6 +152,25 @@ class BlockManager:
             raise OutOfBlocks("no free KV block")
         self._ref_counts[block] = 1
         return block
+
+    def _new_run_start(self) -> int:
+        """Where a run of blocks starts: in the largest run of free blocks, at its start if
+        no block in use precedes it, else in its middle, so the sequence that owns the block
+        before it can keep growing into the first half."""
+        start, length = self._largest_free_run()
+        if start == 0 or self._ref_counts[start - 1] == 0:
+            return start
+        return start + length // 2
+
+    def _largest_free_run(self) -> tuple[int, int]:
+        best, run_start, previous = (0, 0), None, None
+        for block in sorted(self._free):
+            if previous is None or block != previous + 1:
+                run_start = block
+            previous = block
+            if block - run_start + 1 > best[1]:
+                best = (run_start, block - run_start + 1)
+        return best
 
     def _reference(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -158,7 +184,7 @@ class BlockManager:
             if block in self._content:
                 self._evictable[block] = None
             else:
-                heapq.heappush(self._free, block)
+                self._free.add(block)
 
     def _forget(self, block: int) -> None:
         cached = self._content.pop(block)

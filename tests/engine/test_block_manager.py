@@ -90,3 +90,27 @@ def test_hash_collision_is_not_trusted(monkeypatch):
     bm.ensure_capacity(a, 2)
     bm.register_full_blocks(a, ha, [1, 2], 2)
     assert bm.match_prefix([3, 4], 2)[0] == []  # same hash, other tokens: no match
+
+
+def test_sequences_growing_in_turn_keep_their_blocks_consecutive():
+    """Attention reads a sequence on consecutive blocks as one view and gathers any other:
+    two sequences that take blocks in turn must not interleave them."""
+    bm = BlockManager(64, 4)
+    a: list[int] = []
+    b: list[int] = []
+    for tokens in range(4, 80, 4):  # one block each, in turn
+        bm.ensure_capacity(a, tokens)
+        bm.ensure_capacity(b, tokens)
+    assert a == list(range(a[0], a[0] + 19)) and b == list(range(b[0], b[0] + 19))
+    assert a[0] == 0 and b[0] == 32  # b started in the middle of the gap a grows into
+
+
+def test_a_run_continues_after_its_last_block_when_that_is_free():
+    bm = BlockManager(16, 4)
+    a: list[int] = []
+    bm.ensure_capacity(a, 8)
+    b: list[int] = []
+    bm.ensure_capacity(b, 4)  # b starts in the middle of the free blocks after a
+    bm.free(a)
+    bm.ensure_capacity(b, 12)
+    assert b == [b[0], b[0] + 1, b[0] + 2]
