@@ -39,7 +39,7 @@ def _cache(dtype) -> PagedKVCache:
 def _run(table: list[int], q, k, v, steps: list[int], dtype, cache: PagedKVCache | None = None) -> torch.Tensor:
     """Prefill all but sum(steps) tokens, then the rest in steps of the given sizes
     (1, 1, 1 = plain decoding; 4 = one verify step); every token's output."""
-    cache = cache or _cache(dtype)
+    cache = cache if cache is not None else _cache(dtype)
     backend = SdpaBackend()
     outs, done = [], 0
     for n in [q.shape[0] - sum(steps), *steps]:
@@ -63,7 +63,7 @@ def _reference(q, k, v) -> torch.Tensor:
     return F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(0, 1)
 
 
-@pytest.mark.parametrize("steps", [[1] * 6, [6], [2, 4]])  # decoding; one verify step; two
+@pytest.mark.parametrize("steps", [[1] * 6, [6], [2, 4], [17, 18]])  # decoding; one verify step; two; prefill chunks
 @pytest.mark.parametrize("ctx", [40, LONG])
 @pytest.mark.parametrize("layout", ["consecutive", "three runs", "scattered"])
 def test_every_path_equals_plain_causal_attention(layout, ctx, steps):
