@@ -117,11 +117,12 @@ class SdpaBackend:
     would round differently from plain decoding (a fused kernel sums over a different
     number of keys), and in bf16 that flips greedy tokens. See `_attend_positioned`.
 
-    Prefill chunks over consecutive blocks are one strided view. A fragmented context
+    Prefill chunks over consecutive blocks read one strided view. A fragmented context
     (prefix-cache hits, preemption, blocks reused after eviction) is gathered once per
-    layer and attended by one fused SDPA call (measured: a 3.6K-token prefill over blocks
-    scattered by eviction took 18.8 s attended run by run, 6.5 s gathered, ~7 s on
-    consecutive blocks).
+    layer (measured: a 3.6K-token prefill over blocks scattered by eviction took 18.8 s
+    attended run by run, 6.5 s gathered, ~7 s on consecutive blocks). On CPU a chunk is
+    attended causally in two fused calls (`_attend_prefill_cpu`), elsewhere in one masked
+    call over GQA-folded rows.
     """
 
     name = "sdpa"
