@@ -171,8 +171,7 @@ def _attend_prefill_cpu(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tenso
 
     def attend(keys: slice, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = (t[:, None, keys].expand(hkv, group, -1, dh) for t in (k_ctx, v_ctx))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(heads, k, v, is_causal=causal)[:2]
-        return out, lse
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(heads, k, v, is_causal=causal)[:2]
 
     out, lse = attend(slice(before, ctx), causal=True)
     if before:
