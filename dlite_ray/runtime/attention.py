@@ -39,7 +39,7 @@ class WindowReads:
     so it is worked out by the first layer only."""
 
     keys: slice | torch.Tensor  # positions [0, end): a view's slots, or the slots to gather (padded)
-    mask: torch.Tensor  # [rows, end] additive: -inf after each row's position
+    mask: torch.Tensor  # [rows, end] additive: -inf after each row's position; rows: the call's, padding included
 
 
 @dataclass(slots=True)
@@ -216,10 +216,10 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     group = hq // hkv
     real = group * m
     rows = q.view(m, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, real, dh)
-    num_rows = _kernel_rows(real, group, q)
+    reads = _window_reads(span, k_all.shape[1], end, first, group, q)
+    num_rows = reads.mask.shape[0]  # the real rows, or padded (see _kernel_rows)
     if num_rows > real:
         rows = F.pad(rows, (0, 0, 0, num_rows - real))
-    reads = _window_reads(span, k_all.shape[1], end, first, m, group, num_rows, q.dtype, q.device)
     out = _attend_masked(rows, *_read(k_all, v_all, reads.keys), reads.mask)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
 
@@ -263,18 +263,21 @@ def _rows_computed_alone(dtype: torch.dtype, head_dim: int, group: int) -> bool:
     return True
 
 
-def _window_reads(span: SequenceSpan, num_slots: int, end: int, first: int, m: int, group: int, num_rows: int,
-                  dtype: torch.dtype, device: torch.device) -> WindowReads:
-    """The reads of the call whose m rows start at position `first` (keys of [0, end))."""
+def _window_reads(span: SequenceSpan, num_slots: int, end: int, first: int, group: int,
+                  q: torch.Tensor) -> WindowReads:
+    """The reads of the call whose rows q [m, Hq, Dh] start at position `first` (keys of
+    [0, end)); the mask has the call's row count, real or padded (`_kernel_rows`)."""
     if first not in span.window_reads:
+        m = q.shape[0]
         known = min(end, span.ctx_len)
         run = _inside_one_run(span.kv_runs, 0, known)
         if run is not None and run.start + end <= num_slots:
             keys = slice(run.start, run.start + end)  # a view; slots past the context are masked
         else:
-            slots = _context_slots(span, device)[:known]
+            slots = _context_slots(span, q.device)[:known]
             keys = torch.cat([slots, slots[-1:].expand(end - known)])  # padding, masked below
-        mask = F.pad(_causal_scores(0, end, first, m, group, dtype, device), (0, 0, 0, num_rows - group * m))
+        mask = _causal_scores(0, end, first, m, group, q.dtype, q.device)
+        mask = F.pad(mask, (0, 0, 0, _kernel_rows(group * m, group, q) - group * m))
         span.window_reads[first] = WindowReads(keys, mask)
     return span.window_reads[first]
 
