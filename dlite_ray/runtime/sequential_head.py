@@ -14,6 +14,7 @@ then only those rows of W_o are read, once per drafted position.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlite_ray.runtime.draft_vocab import sorted_and_distinct
@@ -72,11 +73,15 @@ class DLiteSequentialHead(nn.Module):
         """draft_logits indices -> token ids."""
         return index if self.drafted_ids is None else self.drafted_ids[index]
 
-    def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V]."""
+    def teacher_forced(self, u: torch.Tensor, prev_tokens: torch.Tensor, state: torch.Tensor,
+                       token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Training: u [N, K, D], prev_tokens [N, K] (d_0..d_{K-1}) -> logits [N, K, V],
+        or [N, K, M] over `token_ids` only (the draft's vocabulary, in that order)."""
         states = []
         for k in range(u.shape[1]):
             state = self.advance(state, prev_tokens[:, k])
             states.append(state)
         # One vocabulary projection for the whole block (the loop only carries R-wide states).
-        return self.logits(torch.stack(states, dim=1), u)
+        hidden = self.state_hidden_mlp(torch.cat([torch.stack(states, dim=1), u], dim=-1))
+        weight = self.output_proj.weight if token_ids is None else self.output_proj.weight[token_ids]
+        return F.linear(hidden, weight)

@@ -47,7 +47,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                         "(default: a third of --steps; the rest train everything on CE + TV)")
     p.add_argument("--draft-vocab", type=_size, default=DEFAULT_DRAFT_VOCAB_SIZE,
                    help="the draft proposes only the N tokens the target says most often in the training "
-                        "replies (a smaller head read per drafted position); 0 = the whole vocabulary")
+                        "replies, and its head trains over them alone (a smaller head read per drafted "
+                        "position, a cheaper training step); 0 = the whole vocabulary")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -2,7 +2,9 @@
 
 log_probs: [N, K, V] float32 log-softmax of the draft head (one log-softmax serves both
 CE and TV: at 49152 vocabulary rows a step, each softmax pass and its backward is a
-sizeable share of a CPU training step); labels: [N, K] target greedy tokens.
+sizeable share of a CPU training step); labels: [N, K] target greedy tokens. Over the
+draft's vocabulary (`vocabulary.py`) V is the subset's size, and a label or top-k id of
+-1 (a token outside it) trains nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy(log_probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    ce = F.nll_loss(log_probs.flatten(0, 1), labels.flatten().long(), reduction="none")
+    ce = F.nll_loss(log_probs.flatten(0, 1), labels.flatten().long(), reduction="none", ignore_index=-1)
     return (ce.view(labels.shape) * weights).mean()
 
 
@@ -33,9 +35,10 @@ def total_variation_topk(log_probs: torch.Tensor, top_ids: torch.Tensor, top_pro
                          weights: torch.Tensor) -> torch.Tensor:
     """sum_v |softmax(draft) - p_target| with the target known on its top-k ids only: the
     rest of the vocabulary is one bucket (a lower bound on the full L1, exact when p's mass
-    sits in its top-k)."""
-    q_top = log_probs.gather(-1, top_ids.long()).exp()
-    p_top = top_probs.float()
+    sits in its top-k). Top-k ids of -1 (outside the draft's vocabulary) join the bucket."""
+    known = top_ids >= 0
+    q_top = log_probs.gather(-1, top_ids.long().clamp(min=0)).exp() * known
+    p_top = top_probs.float() * known
     head = (q_top - p_top).abs().sum(-1)
     tail = ((1 - q_top.sum(-1)) - (1 - p_top.sum(-1))).abs()
     return ((head + tail) * weights).mean()

@@ -36,6 +36,7 @@ from dlite_ray.training.data import (
 from dlite_ray.training.prompts import build_prompt_set
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
 from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
+from dlite_ray.training.vocabulary import TrainingVocabulary
 
 log = logging.getLogger(__name__)
 
@@ -144,32 +145,45 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     return records
 
 
+def choose_draft_vocab(records: Iterable[Record], size: int, vocab_size: int) -> torch.Tensor | None:
+    """The `size` tokens the target said most often in `records`, sorted; None for the whole
+    vocabulary (size 0, or not smaller than it)."""
+    if not 0 < size < vocab_size:
+        return None
+    counts = label_counts(records, vocab_size)
+    ids = frequent_tokens(counts, size)
+    log.info("draft vocabulary: %d tokens, covering %.2f%% of %d training labels", ids.numel(),
+             100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
+    return ids
+
+
+def save_draft_vocab_next_to(directories: list[str | Path], token_ids: torch.Tensor | None) -> None:
+    """Write the draft's vocabulary next to each copy of one draft; None removes an earlier
+    subset, so the draft proposes every token."""
+    for directory in directories:
+        if token_ids is None:
+            (Path(directory) / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
+        else:
+            save_draft_vocab(directory, token_ids)
+    log.info("%s: the draft proposes %s", ", ".join(map(str, directories)),
+             "every token" if token_ids is None else f"{token_ids.numel()} tokens")
+
+
 def write_draft_vocab(directories: list[str | Path], records: Iterable[Record], size: int) -> None:
-    """The `size` tokens the target said most often in `records`: all the draft proposes,
-    written next to each copy of one draft (labels counted once, read lazily, after the
-    directories are checked). 0 (or the whole vocabulary) removes an earlier subset, so the
-    draft proposes every token. The dev tau that training logs is the whole vocabulary's
-    (the subset barely moves it)."""
+    """`dlite-ray draft-vocab`: give saved drafts the `size` tokens the target said most
+    often in `records` (labels counted once, read lazily, after the directories are checked).
+    A draft trained over a subset (`vocabulary.py`) never learned the other tokens' rows:
+    widen it only by training it further."""
     configs = [Path(d) / "config.json" for d in directories]
     for config in configs:
         if not config.exists():
             raise ValueError(f"{config.parent} is not a draft checkpoint (no config.json)")
     vocab_size = DraftConfig.from_dict(json.loads(configs[0].read_text())).layers.vocab_size
-    if not 0 < size < vocab_size:
-        for config in configs:
-            (config.parent / DRAFT_VOCAB_FILE).unlink(missing_ok=True)
-        log.info("%s: the draft proposes every token", ", ".join(map(str, directories)))
-        return
-    counts = label_counts(records, vocab_size)
-    ids = frequent_tokens(counts, size)
-    for config in configs:
-        path = save_draft_vocab(config.parent, ids)
-        log.info("%s: %d tokens, covering %.2f%% of %d training labels", path, ids.numel(),
-                 100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
+    save_draft_vocab_next_to(directories, choose_draft_vocab(records, size, vocab_size))
 
 
 def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
-                    args) -> dict:
+                    args, vocab: TrainingVocabulary | None) -> dict:
     """Teacher (--teacher-steps), then the student: --blend-steps of KL blended into CE + TV
     under the teacher's frozen head, then the rest of --steps with everything trainable."""
     blend_steps = args.blend_steps if args.blend_steps is not None else args.steps // 3
@@ -177,13 +191,13 @@ def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cf
         raise ValueError(f"--blend-steps must lie in (0, --steps), got {blend_steps}")
     teacher = WindowTeacher(new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed + 1),
                             args.window)
-    stages = {"teacher": train(teacher_objective(teacher, cfg), *data, replace(cfg, steps=args.teacher_steps),
+    stages = {"teacher": train(teacher_objective(teacher, cfg, vocab), *data, replace(cfg, steps=args.teacher_steps),
                                out, "teacher")}
     adopt_teacher_head(draft, teacher)
-    stages["student_blend"] = train(blend_objective(draft, teacher, cfg), *data, replace(cfg, steps=blend_steps),
+    stages["student_blend"] = train(blend_objective(draft, teacher, cfg, vocab), *data, replace(cfg, steps=blend_steps),
                                     out, "student_blend")
     draft.sequential_head.requires_grad_(True)
-    stages["student"] = train(student_objective(draft, cfg), *data, replace(cfg, steps=args.steps - blend_steps),
+    stages["student"] = train(student_objective(draft, cfg, vocab), *data, replace(cfg, steps=args.steps - blend_steps),
                               out, "student")
     for label, s in stages.items():
         log.info("%s: dev tau %.3f after %d steps, %.0f s", label, s["final_dev"]["tau"], s["config"]["steps"],
@@ -217,19 +231,21 @@ def run(args) -> dict:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       weight_decay=args.weight_decay)
     dev_anchors = all_anchors(dev_records, k)
+    vocab_ids = choose_draft_vocab(train_records, args.draft_vocab, draft.cfg.layers.vocab_size)
+    vocab = None if vocab_ids is None else TrainingVocabulary.of(vocab_ids, draft.cfg.layers.vocab_size)
     data = (train_records, all_anchors(train_records, k), dev_records, dev_anchors, k)
     initial_dev = None
     if args.init_from:  # so a drop from continued training shows at the first eval, not the last
-        initial_dev = greedy_acceptance(student_objective(draft, cfg), dev_records, dev_anchors, k)
+        initial_dev = greedy_acceptance(student_objective(draft, cfg, vocab), dev_records, dev_anchors, k)
         log.info("dev tau %.3f before training (%s)", initial_dev["tau"], args.init_from)
     if args.teacher_steps > 0:
-        summary = train_two_stage(engine, draft, data, cfg, out, args)
+        summary = train_two_stage(engine, draft, data, cfg, out, args, vocab)
     else:
-        summary = train(student_objective(draft, cfg), *data, cfg, out)
+        summary = train(student_objective(draft, cfg, vocab), *data, cfg, out)
     directories = [d for d in (out / "draft", args.export) if d]
     for directory in directories:
         draft.save(directory)
-    write_draft_vocab(directories, train_records, args.draft_vocab)
+    save_draft_vocab_next_to(directories, vocab_ids)
     if initial_dev is not None:
         summary["initial_dev"] = initial_dev
     summary["total_seconds"] = time.perf_counter() - started

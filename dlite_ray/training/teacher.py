@@ -20,6 +20,7 @@ from dlite_ray.runtime.layers import RMSNorm
 from dlite_ray.training.batches import Batch
 from dlite_ray.training.losses import kl_divergence, position_weights
 from dlite_ray.training.trainer import Objective, TrainConfig, distillation_loss, draft_logits
+from dlite_ray.training.vocabulary import TrainingVocabulary
 
 
 class WindowTeacher(nn.Module):
@@ -34,15 +35,18 @@ class WindowTeacher(nn.Module):
         self.fuse = nn.Linear(len(self.history_slots) * d, d, bias=False)
         self.fuse_norm = RMSNorm(d, draft.cfg.layers.rms_norm_eps)
 
-    def head_logits(self, batch: Batch) -> torch.Tensor:
+    def head_logits(self, batch: Batch, vocab: TrainingVocabulary | None = None) -> torch.Tensor:
         states = self.fuse_norm(self.fuse(batch.history.flatten(2).to(batch.features.dtype)))
         distances = torch.arange(self.window, 0, -1, device=states.device)
-        return draft_logits(self.draft, batch, HistoryWindow(states, distances, batch.history_valid))
+        return draft_logits(self.draft, batch, HistoryWindow(states, distances, batch.history_valid), vocab)
 
 
-def teacher_objective(teacher: WindowTeacher, cfg: TrainConfig) -> Objective:
-    return Objective(teacher, lambda batch, _progress: distillation_loss(teacher.head_logits(batch), batch, cfg),
-                     teacher.head_logits, teacher.window, teacher.history_slots)
+def teacher_objective(teacher: WindowTeacher, cfg: TrainConfig, vocab: TrainingVocabulary | None = None) -> Objective:
+    def logits(batch: Batch) -> torch.Tensor:
+        return teacher.head_logits(batch, vocab)
+
+    return Objective(teacher, lambda batch, _progress: distillation_loss(logits(batch), batch, cfg), logits,
+                     teacher.window, teacher.history_slots, vocab)
 
 
 def adopt_teacher_head(student: DLiteDraftModel, teacher: WindowTeacher) -> None:
@@ -56,12 +60,13 @@ def blend_weight(progress: float) -> float:
     return 0.5 * (1 - math.cos(math.pi * min(max(progress, 0.0), 1.0)))
 
 
-def blend_objective(student: DLiteDraftModel, teacher: WindowTeacher, cfg: TrainConfig) -> Objective:
+def blend_objective(student: DLiteDraftModel, teacher: WindowTeacher, cfg: TrainConfig,
+                    vocab: TrainingVocabulary | None = None) -> Objective:
     def loss(batch: Batch, progress: float) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = draft_logits(student, batch)
+        logits = draft_logits(student, batch, vocab=vocab)
         with torch.no_grad():
             teacher.eval()
-            target = teacher.head_logits(batch)
+            target = teacher.head_logits(batch, vocab)
         w = position_weights(logits.shape[1], cfg.gamma, logits.device) * batch.label_mask
         kl = kl_divergence(target, logits, w)
         direct, parts = distillation_loss(logits, batch, cfg)
@@ -69,5 +74,5 @@ def blend_objective(student: DLiteDraftModel, teacher: WindowTeacher, cfg: Train
         return (1 - alpha) * kl + alpha * direct, {"kl": kl.item(), **parts}
 
     # batches carry the teacher's window; the student never looks at it
-    return Objective(student, loss, lambda batch: draft_logits(student, batch), teacher.window,
-                     teacher.history_slots)
+    return Objective(student, loss, lambda batch: draft_logits(student, batch, vocab=vocab), teacher.window,
+                     teacher.history_slots, vocab)

@@ -29,6 +29,7 @@ from dlite_ray.training.losses import (
     position_weights,
     total_variation_topk,
 )
+from dlite_ray.training.vocabulary import TrainingVocabulary
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +62,22 @@ class Objective:
     logits: Callable[[Batch], torch.Tensor]  # teacher-forced head logits [N, K, V]
     window: int = 0  # history positions the batches carry (the teacher's)
     history_slots: tuple[int, ...] = ()
+    vocab: TrainingVocabulary | None = None  # the draft's vocabulary, when it drafts from a subset
 
     def batch(self, records: list[Record], anchors: list[tuple[int, int]], k: int) -> Batch:
-        return make_batch(records, anchors, k, self.window, self.history_slots)
+        batch = make_batch(records, anchors, k, self.window, self.history_slots)
+        return batch if self.vocab is None else self.vocab.restrict(batch)
 
 
-def draft_logits(draft: DLiteDraftModel, batch: Batch, history: HistoryWindow | None = None) -> torch.Tensor:
-    """Teacher-forced head logits [N, K, V] (the backbone sees the anchor and K masks)."""
+def draft_logits(draft: DLiteDraftModel, batch: Batch, history: HistoryWindow | None = None,
+                 vocab: TrainingVocabulary | None = None) -> torch.Tensor:
+    """Teacher-forced head logits [N, K, V] (the backbone sees the anchor and K masks),
+    over `vocab`'s tokens only when given."""
     k = batch.labels.shape[1]
     u = draft.backbone(batch.features, batch.anchors, k, history)
     state = draft.sequential_head.initial_state(u.shape[0], u)
-    return draft.sequential_head.teacher_forced(u, batch.prev_tokens, state)
+    return draft.sequential_head.teacher_forced(u, batch.prev_tokens, state,
+                                                None if vocab is None else vocab.token_ids)
 
 
 def distillation_loss(logits: torch.Tensor, batch: Batch, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -83,10 +89,12 @@ def distillation_loss(logits: torch.Tensor, batch: Batch, cfg: TrainConfig) -> t
     return ce + cfg.tv_weight * tv, {"ce": ce.item(), "tv": tv.item()}
 
 
-def student_objective(draft: DLiteDraftModel, cfg: TrainConfig) -> Objective:
+def student_objective(draft: DLiteDraftModel, cfg: TrainConfig, vocab: TrainingVocabulary | None = None) -> Objective:
     """The history-free draft trained directly on CE + TV (the one-stage baseline, and stage 2)."""
-    return Objective(draft, lambda batch, _progress: distillation_loss(draft_logits(draft, batch), batch, cfg),
-                     lambda batch: draft_logits(draft, batch))
+    def logits(batch: Batch) -> torch.Tensor:
+        return draft_logits(draft, batch, vocab=vocab)
+
+    return Objective(draft, lambda batch, _progress: distillation_loss(logits(batch), batch, cfg), logits, vocab=vocab)
 
 
 @torch.no_grad()
@@ -98,7 +106,8 @@ def greedy_acceptance(objective: Objective, records: list[Record], anchors: list
     accepted, per_pos = [], torch.zeros(k)
     for i in range(0, len(anchors), batch_size):
         batch = objective.batch(records, anchors[i:i + batch_size], k)
-        # a label off the greedy chain (bf16 rounding) ends the block: what would follow is unknown
+        # a label off the greedy chain (bf16 rounding) ends the block: what would follow is unknown;
+        # one outside the draft's vocabulary (index -1) is a miss, as it is when drafting
         hits = ((objective.logits(batch).argmax(-1) == batch.labels) & (batch.label_mask > 0)).long().cumprod(dim=1)
         accepted.append(hits.sum(1))
         per_pos += hits.sum(0).float()

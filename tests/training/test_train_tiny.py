@@ -26,6 +26,7 @@ from dlite_ray.training.trainer import (
     student_objective,
     train,
 )
+from dlite_ray.training.vocabulary import TrainingVocabulary
 from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import make_engine, random_draft
 
@@ -186,3 +187,28 @@ def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
     assert [r.tokens[0].item() for r in records] == [10, 20, 30, 40, 50]
     assert [r.tokens[0].item() for r in load_records(path)] == [10, 20, 30, 40, 50]
     assert not list(tmp_path.glob("*.part*"))
+
+
+def test_training_over_the_drafts_vocabulary(tmp_path):
+    """The head learns the 24 tokens the target says most; a label outside them is a miss."""
+    _target, draft, engine, convs = _records(tmp_path)
+    for p in draft.embed_tokens.parameters():
+        p.requires_grad_(False)
+    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    anchors = all_anchors(records, 3)
+    vocab = TrainingVocabulary.of(frequent_tokens(label_counts(records, 128), 24), 128)
+    hit = Objective(draft, None, lambda b: F.one_hot(b.labels.clamp(min=0), 24).float(), vocab=vocab)
+    inside = torch.stack([vocab.index_of[make_batch(records, [a], 3).labels[0]] >= 0 for a in anchors])
+    expected = inside.long().cumprod(dim=1).float().mean(0)
+    assert 0 < expected[0] < 1  # some labels lie outside the 24 tokens
+    torch.testing.assert_close(torch.tensor(greedy_acceptance(hit, records, anchors, 3)["per_position"]), expected)
+
+    cfg = TrainConfig(steps=60, batch_size=32, lr=3e-3, warmup=5, eval_every=60, checkpoint_every=60,
+                      bf16_autocast=False)
+    objective = student_objective(draft, cfg, vocab)
+    assert objective.logits(objective.batch(records, anchors[:4], 3)).shape == (4, 3, 24)
+    before = greedy_acceptance(objective, records, anchors, 3)
+    summary = train(objective, records, anchors, records, anchors, 3, cfg, tmp_path / "run")
+    losses = [h["loss"] for h in summary["history"]]
+    assert sum(losses[-10:]) < 0.7 * sum(losses[:10])
+    assert before["tau"] < summary["final_dev"]["tau"] <= 1 + expected.sum().item() + 1e-6
