@@ -58,16 +58,20 @@ class DLiteSequentialHead(nn.Module):
         z = torch.sigmoid(gate)
         return z * state + (1 - z) * torch.tanh(cand)
 
+    def hidden(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        # state: [..., R], u: [..., D] -> r [..., R], what W_o reads
+        return self.state_hidden_mlp(torch.cat([state, u], dim=-1))
+
     def logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         # state: [..., R], u: [..., D] -> [..., V]
-        return self.output_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
+        return self.output_proj(self.hidden(state, u))
 
     def draft_logits(self, state: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Logits over the tokens this head drafts: all of them, or the subset in
         `drafted_ids` order (index i stands for token drafted_ids[i])."""
         if self._subset_proj is None:
             return self.logits(state, u)
-        return self._subset_proj(self.state_hidden_mlp(torch.cat([state, u], dim=-1)))
+        return self._subset_proj(self.hidden(state, u))
 
     def to_token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """draft_logits indices -> token ids."""
@@ -82,6 +86,5 @@ class DLiteSequentialHead(nn.Module):
             state = self.advance(state, prev_tokens[:, k])
             states.append(state)
         # One vocabulary projection for the whole block (the loop only carries R-wide states).
-        hidden = self.state_hidden_mlp(torch.cat([torch.stack(states, dim=1), u], dim=-1))
         weight = self.output_proj.weight if token_ids is None else self.output_proj.weight[token_ids]
-        return F.linear(hidden, weight)
+        return F.linear(self.hidden(torch.stack(states, dim=1), u), weight)

@@ -3,8 +3,9 @@
 log_probs: [N, K, V] float32 log-softmax of the draft head (one log-softmax serves both
 CE and TV: at 49152 vocabulary rows a step, each softmax pass and its backward is a
 sizeable share of a CPU training step); labels: [N, K] target greedy tokens. Over the
-draft's vocabulary (`vocabulary.py`) V is the subset's size, and a label or top-k id of
--1 (a token outside it) trains nothing.
+draft's vocabulary (`vocabulary.py`) V is the subset's size, labels and top-k ids are
+indices into it, and OUTSIDE stands for a token it lacks: such a label trains nothing, such
+a top-k id joins the TV tail bucket.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+OUTSIDE = -1  # a label or top-k id the draft's vocabulary lacks
 
 
 def position_weights(k: int, gamma: float, device=None) -> torch.Tensor:
@@ -27,7 +30,7 @@ def log_probabilities(logits: torch.Tensor) -> torch.Tensor:
 
 
 def cross_entropy(log_probs: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    ce = F.nll_loss(log_probs.flatten(0, 1), labels.flatten().long(), reduction="none", ignore_index=-1)
+    ce = F.nll_loss(log_probs.flatten(0, 1), labels.flatten().long(), reduction="none", ignore_index=OUTSIDE)
     return (ce.view(labels.shape) * weights).mean()
 
 
@@ -35,8 +38,8 @@ def total_variation_topk(log_probs: torch.Tensor, top_ids: torch.Tensor, top_pro
                          weights: torch.Tensor) -> torch.Tensor:
     """sum_v |softmax(draft) - p_target| with the target known on its top-k ids only: the
     rest of the vocabulary is one bucket (a lower bound on the full L1, exact when p's mass
-    sits in its top-k). Top-k ids of -1 (outside the draft's vocabulary) join the bucket."""
-    known = top_ids >= 0
+    sits in its top-k). Top-k ids OUTSIDE the draft's vocabulary join the bucket."""
+    known = top_ids != OUTSIDE
     q_top = log_probs.gather(-1, top_ids.long().clamp(min=0)).exp() * known
     p_top = top_probs.float() * known
     head = (q_top - p_top).abs().sum(-1)

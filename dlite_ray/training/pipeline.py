@@ -22,7 +22,7 @@ from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
-from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, frequent_tokens, save_draft_vocab
+from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, frequent_tokens, load_draft_vocab, save_draft_vocab
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import (
     Record,
@@ -157,6 +157,18 @@ def choose_draft_vocab(records: Iterable[Record], size: int, vocab_size: int) ->
     return ids
 
 
+def training_vocabulary(records: list[Record], args, vocab_size: int) -> torch.Tensor | None:
+    """The tokens the head trains over and will draft from: those of the --init-from draft
+    when it has a vocabulary (its other rows of W_o may never have trained), else the
+    --draft-vocab most frequent labels of `records`."""
+    if args.init_from:
+        ids = load_draft_vocab(args.init_from, vocab_size)
+        if ids is not None:
+            log.info("draft vocabulary: the %d tokens of %s", ids.numel(), args.init_from)
+            return ids
+    return choose_draft_vocab(records, args.draft_vocab, vocab_size)
+
+
 def save_draft_vocab_next_to(directories: list[str | Path], token_ids: torch.Tensor | None) -> None:
     """Write the draft's vocabulary next to each copy of one draft; None removes an earlier
     subset, so the draft proposes every token."""
@@ -173,13 +185,27 @@ def write_draft_vocab(directories: list[str | Path], records: Iterable[Record], 
     """`dlite-ray draft-vocab`: give saved drafts the `size` tokens the target said most
     often in `records` (labels counted once, read lazily, after the directories are checked).
     A draft trained over a subset (`vocabulary.py`) never learned the other tokens' rows:
-    widen it only by training it further."""
+    giving it tokens outside its subset logs a warning."""
     configs = [Path(d) / "config.json" for d in directories]
     for config in configs:
         if not config.exists():
             raise ValueError(f"{config.parent} is not a draft checkpoint (no config.json)")
     vocab_size = DraftConfig.from_dict(json.loads(configs[0].read_text())).layers.vocab_size
-    save_draft_vocab_next_to(directories, choose_draft_vocab(records, size, vocab_size))
+    ids = choose_draft_vocab(records, size, vocab_size)
+    for directory in directories:
+        _warn_if_widened(directory, ids, vocab_size)
+    save_draft_vocab_next_to(directories, ids)
+
+
+def _warn_if_widened(directory: str | Path, ids: torch.Tensor | None, vocab_size: int) -> None:
+    old = load_draft_vocab(directory, vocab_size)
+    if old is None:
+        return
+    new = torch.arange(vocab_size) if ids is None else ids
+    added = int((~torch.isin(new, old)).sum())
+    if added:
+        log.warning("%s: %d of the new tokens lie outside its current vocabulary; a draft trained over "
+                    "that vocabulary (dlite-ray train does) never trained their rows", directory, added)
 
 
 def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
@@ -231,8 +257,8 @@ def run(args) -> dict:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       weight_decay=args.weight_decay)
     dev_anchors = all_anchors(dev_records, k)
-    vocab_ids = choose_draft_vocab(train_records, args.draft_vocab, draft.cfg.layers.vocab_size)
-    vocab = None if vocab_ids is None else TrainingVocabulary.of(vocab_ids, draft.cfg.layers.vocab_size)
+    vocab_ids = training_vocabulary(train_records, args, draft.cfg.layers.vocab_size)
+    vocab = None if vocab_ids is None else TrainingVocabulary(vocab_ids, draft.cfg.layers.vocab_size)
     data = (train_records, all_anchors(train_records, k), dev_records, dev_anchors, k)
     initial_dev = None
     if args.init_from:  # so a drop from continued training shows at the first eval, not the last

@@ -59,7 +59,7 @@ class Objective:
 
     model: nn.Module  # trained and checkpointed; the target's embedding inside stays frozen and unsaved
     loss: Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]  # (batch, progress 0..1)
-    logits: Callable[[Batch], torch.Tensor]  # teacher-forced head logits [N, K, V]
+    logits: Callable[[Batch], torch.Tensor]  # teacher-forced head logits [N, K, V], or [N, K, M] over vocab
     window: int = 0  # history positions the batches carry (the teacher's)
     history_slots: tuple[int, ...] = ()
     vocab: TrainingVocabulary | None = None  # the draft's vocabulary, when it drafts from a subset
@@ -72,7 +72,7 @@ class Objective:
 def draft_logits(draft: DLiteDraftModel, batch: Batch, history: HistoryWindow | None = None,
                  vocab: TrainingVocabulary | None = None) -> torch.Tensor:
     """Teacher-forced head logits [N, K, V] (the backbone sees the anchor and K masks),
-    over `vocab`'s tokens only when given."""
+    or [N, K, M] over `vocab`'s M tokens."""
     k = batch.labels.shape[1]
     u = draft.backbone(batch.features, batch.anchors, k, history)
     state = draft.sequential_head.initial_state(u.shape[0], u)
@@ -106,9 +106,13 @@ def greedy_acceptance(objective: Objective, records: list[Record], anchors: list
     accepted, per_pos = [], torch.zeros(k)
     for i in range(0, len(anchors), batch_size):
         batch = objective.batch(records, anchors[i:i + batch_size], k)
+        logits = objective.logits(batch)
+        if objective.vocab is not None and logits.shape[-1] != objective.vocab.size:
+            raise ValueError(f"the head gave {logits.shape[-1]} logits a row for a vocabulary of "
+                             f"{objective.vocab.size} tokens: its logits must take the objective's vocab")
         # a label off the greedy chain (bf16 rounding) ends the block: what would follow is unknown;
         # one outside the draft's vocabulary (index -1) is a miss, as it is when drafting
-        hits = ((objective.logits(batch).argmax(-1) == batch.labels) & (batch.label_mask > 0)).long().cumprod(dim=1)
+        hits = ((logits.argmax(-1) == batch.labels) & (batch.label_mask > 0)).long().cumprod(dim=1)
         accepted.append(hits.sum(1))
         per_pos += hits.sum(0).float()
     objective.model.train()
@@ -120,6 +124,10 @@ def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: v for n, v in model.state_dict().items() if "embed_tokens." not in n}
 
 
+def _same_vocabulary(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 def train(objective: Objective, records: list[Record], anchors: list[tuple[int, int]],
           dev_records: list[Record], dev_anchors: list[tuple[int, int]], k: int, cfg: TrainConfig,
           out_dir: Path, label: str = "student") -> dict:
@@ -129,8 +137,12 @@ def train(objective: Objective, records: list[Record], anchors: list[tuple[int, 
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=True)
     ckpt = out_dir / f"{label}.ckpt"
     step, history = 0, []
+    vocab_ids = None if objective.vocab is None else objective.vocab.token_ids
     if ckpt.exists():
         state = torch.load(ckpt)
+        if not _same_vocabulary(state.get("vocab"), vocab_ids):
+            raise ValueError(f"{ckpt} was trained over another vocabulary than this run's (--draft-vocab, "
+                             "or a checkpoint from before training over it): use a fresh --out")
         model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, history = state["step"], state["history"]
@@ -164,7 +176,7 @@ def train(objective: Objective, records: list[Record], anchors: list[tuple[int, 
         history.append(entry)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             torch.save({"model": trainable_state(model), "opt": opt.state_dict(), "step": step,
-                        "history": history}, ckpt)
+                        "history": history, "vocab": vocab_ids}, ckpt)
     bar.close()
     summary = {"label": label, "config": asdict(cfg), "seconds": time.perf_counter() - started,
                "final_dev": history[-1].get("dev"), "history": history}

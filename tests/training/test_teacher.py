@@ -16,6 +16,7 @@ from dlite_ray.training.teacher import (
     teacher_objective,
 )
 from dlite_ray.training.trainer import TrainConfig, draft_logits, student_objective, train
+from dlite_ray.training.vocabulary import TrainingVocabulary
 from tests.conftest import read_config
 from tests.engine.conftest import random_draft
 from tests.training.test_train_tiny import _records
@@ -122,3 +123,17 @@ def test_two_stages_learn_and_stage_one_keeps_the_teacher_head(tmp_path):
                    tmp_path / "run", "student")
     assert not torch.equal(draft.sequential_head.output_proj.weight, head_before["output_proj.weight"])
     assert stage2["final_dev"]["tau"] >= 1.0
+
+
+def test_both_stages_train_over_the_drafts_vocabulary(tmp_path):
+    target, draft, engine, convs = _records(tmp_path)
+    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    anchors = all_anchors(records, K)[:16]
+    vocab = TrainingVocabulary(torch.arange(0, 128, 4), vocab_size=128)
+    cfg = TrainConfig(bf16_autocast=False)
+    teacher = WindowTeacher(random_draft(target, read_config(tmp_path / "t"), seed=3), window=8)
+    for objective in (teacher_objective(teacher, cfg, vocab), blend_objective(draft, teacher, cfg, vocab)):
+        batch = objective.batch(records, anchors, K)
+        assert objective.logits(batch).shape == (16, K, 32)
+        loss, _ = objective.loss(batch, 0.5)
+        assert torch.isfinite(loss)

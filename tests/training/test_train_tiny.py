@@ -3,6 +3,8 @@ draft whose loss went down; anchors and batches built as documented."""
 
 from __future__ import annotations
 
+import argparse
+import logging
 import random
 
 import pytest
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 
 from dlite_ray import cli
 from dlite_ray.runtime.draft_model import DLiteDraftModel
-from dlite_ray.runtime.draft_vocab import frequent_tokens, load_draft_vocab
+from dlite_ray.runtime.draft_vocab import frequent_tokens, load_draft_vocab, save_draft_vocab
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training import pipeline
 from dlite_ray.training.batches import all_anchors, chain_mask, make_batch
@@ -196,7 +198,7 @@ def test_training_over_the_drafts_vocabulary(tmp_path):
         p.requires_grad_(False)
     records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
     anchors = all_anchors(records, 3)
-    vocab = TrainingVocabulary.of(frequent_tokens(label_counts(records, 128), 24), 128)
+    vocab = TrainingVocabulary(frequent_tokens(label_counts(records, 128), 24), 128)
     hit = Objective(draft, None, lambda b: F.one_hot(b.labels.clamp(min=0), 24).float(), vocab=vocab)
     inside = torch.stack([vocab.index_of[make_batch(records, [a], 3).labels[0]] >= 0 for a in anchors])
     expected = inside.long().cumprod(dim=1).float().mean(0)
@@ -212,3 +214,47 @@ def test_training_over_the_drafts_vocabulary(tmp_path):
     losses = [h["loss"] for h in summary["history"]]
     assert sum(losses[-10:]) < 0.7 * sum(losses[:10])
     assert before["tau"] < summary["final_dev"]["tau"] <= 1 + expected.sum().item() + 1e-6
+
+
+def test_a_run_resumes_only_over_the_vocabulary_it_trained_over(tmp_path):
+    _target, draft, engine, convs = _records(tmp_path)
+    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    anchors = all_anchors(records, 3)
+    vocab = TrainingVocabulary(torch.arange(0, 128, 2), vocab_size=128)
+    cfg = TrainConfig(steps=2, batch_size=8, checkpoint_every=1, eval_every=2, bf16_autocast=False)
+    train(student_objective(draft, cfg, vocab), records, anchors, records, anchors, 3, cfg, tmp_path / "run")
+    more = TrainConfig(steps=3, batch_size=8, checkpoint_every=1, eval_every=3, bf16_autocast=False)
+    with pytest.raises(ValueError, match="another vocabulary"):
+        train(student_objective(draft, more), records, anchors, records, anchors, 3, more, tmp_path / "run")
+    resumed = train(student_objective(draft, more, vocab), records, anchors, records, anchors, 3, more,
+                    tmp_path / "run")
+    assert resumed["history"][-1]["step"] == 3
+    # a head that ignores the objective's vocabulary is caught, not measured over the wrong tokens
+    wrong = Objective(draft, None, lambda b: draft_logits(draft, b), vocab=vocab)
+    with pytest.raises(ValueError, match="vocabulary of 64 tokens"):
+        greedy_acceptance(wrong, records, anchors, 3)
+
+
+def test_continued_training_keeps_the_starting_drafts_vocabulary(tmp_path, caplog):
+    records = [Record(torch.tensor([1, 5, 5, 6], dtype=torch.int32), 0, torch.zeros(3, 1, 4),
+                      torch.tensor([5, 5, 6], dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int32),
+                      torch.ones(3, 1))]
+    fresh = argparse.Namespace(init_from=None, draft_vocab=1)
+    assert pipeline.training_vocabulary(records, fresh, 10).tolist() == [5]
+    save_draft_vocab(tmp_path, torch.tensor([2, 3]))
+    continued = argparse.Namespace(init_from=str(tmp_path), draft_vocab=1)
+    assert pipeline.training_vocabulary(records, continued, 10).tolist() == [2, 3]
+
+
+def test_draft_vocab_warns_when_it_widens_a_drafts_vocabulary(tmp_path, caplog):
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    random_draft(load_target(d), read_config(d), seed=0).save(tmp_path / "draft")
+    save_draft_vocab(tmp_path / "draft", torch.tensor([5, 6]))
+    record = Record(torch.tensor([1, 5, 5, 7], dtype=torch.int32), 0, torch.zeros(3, 1, 4),
+                    torch.tensor([5, 5, 7], dtype=torch.int32), torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1))
+    with caplog.at_level(logging.WARNING):
+        write_draft_vocab([tmp_path / "draft"], [record], 1)  # [5]: inside, no warning
+        assert not caplog.records
+        write_draft_vocab([tmp_path / "draft"], [record], 2)  # [5, 7]: 7 never trained
+    assert "1 of the new tokens lie outside" in caplog.text
+    assert load_draft_vocab(tmp_path / "draft", 128).tolist() == [5, 7]  # written all the same

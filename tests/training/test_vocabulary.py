@@ -17,7 +17,7 @@ def _batch(labels, top_ids) -> Batch:
 
 
 def test_labels_and_top_ids_become_indices_into_the_subset():
-    vocab = TrainingVocabulary.of(torch.tensor([2, 5, 9]), vocab_size=12)
+    vocab = TrainingVocabulary(torch.tensor([2, 5, 9]), vocab_size=12)
     batch = vocab.restrict(_batch([[5, 3, 9]], [[[2, 5], [3, 4], [9, 11]]]))
     assert batch.labels.tolist() == [[1, OUTSIDE, 2]]
     assert batch.top_ids.tolist() == [[[0, 1], [OUTSIDE, OUTSIDE], [2, OUTSIDE]]]
@@ -27,7 +27,7 @@ def test_labels_and_top_ids_become_indices_into_the_subset():
 @pytest.mark.parametrize("ids", [[5, 2], [2, 2], [2, 12], [-1, 3]])
 def test_a_subset_must_be_sorted_distinct_and_in_range(ids):
     with pytest.raises(ValueError, match="sorted, distinct"):
-        TrainingVocabulary.of(torch.tensor(ids), vocab_size=12)
+        TrainingVocabulary(torch.tensor(ids), vocab_size=12)
 
 
 def test_subset_logits_are_the_whole_vocabularys_columns():
