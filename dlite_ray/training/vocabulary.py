@@ -3,12 +3,12 @@
 A draft with a vocabulary subset (`runtime/draft_vocab.py`) drafts from a softmax over
 those tokens alone. Trained over the whole vocabulary, it learns a normalisation it never
 uses, and the 49152-wide parts of a step (the head's logits for every block position, the
-log-softmax, its backward, the zero-filled gradients of the gathers) took ~80% of a
-1.35 s CPU step at batch 192. Here the head's logits cover only the subset's rows of W_o,
-and labels and the target's top-k ids become indices into the subset, -1 outside it:
-a label the draft cannot propose trains nothing and counts as a miss in dev acceptance
-(as it would when drafting); the target's probability on tokens outside falls into the
-total-variation loss's tail bucket.
+log-softmax, its backward, the zero-filled gradients of the gathers) took about three
+quarters of a 1.35 s CPU step at batch 192. Here the head's logits cover only the subset's
+rows of W_o, and labels and the target's top-k ids become indices into the subset, OUTSIDE
+(-1) for the rest: a label the draft cannot propose trains nothing and counts as a miss in
+dev acceptance (as it would when drafting); the target's probability on tokens outside
+falls into the total-variation loss's tail bucket.
 """
 
 from __future__ import annotations

@@ -112,12 +112,17 @@ def test_off_chain_labels_neither_train_nor_count_as_accepted(tmp_path):
     assert greedy_acceptance(hit, records, first, 3)["per_position"] == [1.0, 1.0, 0.0]
 
 
-def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
+def _training_data(tmp_path, k: int):
+    """(target, draft with its target embedding frozen, records, anchors) for a tiny run."""
     target, draft, engine, convs = _records(tmp_path)
     for p in draft.embed_tokens.parameters():
         p.requires_grad_(False)
     records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
-    anchors = all_anchors(records, 7)
+    return target, draft, records, all_anchors(records, k)
+
+
+def test_tiny_training_lowers_loss_and_saves_a_loadable_draft(tmp_path):
+    target, draft, records, anchors = _training_data(tmp_path, 7)
     cfg = TrainConfig(steps=60, batch_size=32, lr=3e-3, warmup=5, eval_every=60, checkpoint_every=30,
                       bf16_autocast=False)
     before = greedy_acceptance(student_objective(draft, cfg), records, anchors, 7)
@@ -193,11 +198,7 @@ def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
 
 def test_training_over_the_drafts_vocabulary(tmp_path):
     """The head learns the 24 tokens the target says most; a label outside them is a miss."""
-    _target, draft, engine, convs = _records(tmp_path)
-    for p in draft.embed_tokens.parameters():
-        p.requires_grad_(False)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
-    anchors = all_anchors(records, 3)
+    _target, draft, records, anchors = _training_data(tmp_path, 3)
     vocab = TrainingVocabulary(frequent_tokens(label_counts(records, 128), 24), 128)
     hit = Objective(draft, None, lambda b: F.one_hot(b.labels.clamp(min=0), 24).float(), vocab=vocab)
     inside = torch.stack([vocab.index_of[make_batch(records, [a], 3).labels[0]] >= 0 for a in anchors])
@@ -217,9 +218,7 @@ def test_training_over_the_drafts_vocabulary(tmp_path):
 
 
 def test_a_run_resumes_only_over_the_vocabulary_it_trained_over(tmp_path):
-    _target, draft, engine, convs = _records(tmp_path)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
-    anchors = all_anchors(records, 3)
+    _target, draft, records, anchors = _training_data(tmp_path, 3)
     vocab = TrainingVocabulary(torch.arange(0, 128, 2), vocab_size=128)
     cfg = TrainConfig(steps=2, batch_size=8, checkpoint_every=1, eval_every=2, bf16_autocast=False)
     train(student_objective(draft, cfg, vocab), records, anchors, records, anchors, 3, cfg, tmp_path / "run")
