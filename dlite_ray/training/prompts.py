@@ -9,6 +9,7 @@ grows to thousands of tokens (the agentic, long-context regime).
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import logging
 import random
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 BFCL_PACKAGE = "bfcl-eval==2026.3.23"
 BFCL_FILES = ("BFCL_v4_live_simple", "BFCL_v4_live_multiple", "BFCL_v4_simple_python", "BFCL_v4_parallel")
 BFCL_MULTI_TURN = "BFCL_v4_multi_turn_base"
+# standard-library packages whose code is not library source: test suites, applications, data
+STDLIB_PACKAGES_SKIPPED = {"test", "tests", "idlelib", "lib2to3", "encodings", "site-packages", "turtledemo"}
 # multi-turn classes -> their schema file in multi_turn_func_doc/
 CLASS_DOCS = {
     "GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api", "MessageAPI": "message_api",
@@ -205,26 +208,45 @@ def stdlib_code_tasks(rng: random.Random, count: int) -> list[PromptSample]:
 
 
 def _stdlib_functions(rng: random.Random, count: int) -> list[tuple[str, str]]:
+    """`count` (module, source) pairs of 6-30-line functions. The base sample's draw (up to 3
+    functions from each shuffled top-level module) comes first and is what it always was, so
+    the dev split stays put; larger samples go on into the packages (`email`, `json`,
+    `asyncio`, ...) and then take up to 6 functions a module."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
-    rng.shuffle(files)
+    modules = sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+    rng.shuffle(modules)
+    found = _functions_in(modules, count, skip=0, per_file=3)
+    if len(found) < count:
+        packaged = sorted(p for p in root.glob("*/**/*.py") if _is_library_source(p.relative_to(root)))
+        random.Random(len(packaged)).shuffle(packaged)  # not `rng`: the base sample's later draws stay as they were
+        found += _functions_in(packaged, count - len(found), skip=0, per_file=3)
+        found += _functions_in(modules + packaged, count - len(found), skip=3, per_file=3)
+    return found[:count]
+
+
+def _is_library_source(relative: Path) -> bool:
+    """A module of a standard-library package, not a test suite, an application or private."""
+    return not any(part.startswith("_") or part in STDLIB_PACKAGES_SKIPPED for part in relative.parts)
+
+
+def _functions_in(paths: list[Path], count: int, skip: int, per_file: int) -> list[tuple[str, str]]:
+    """Up to `per_file` functions of each file after its first `skip`, until `count`."""
     found: list[tuple[str, str]] = []
-    for path in files:
+    for path in paths:
+        if len(found) >= count:
+            break
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
         except (SyntaxError, UnicodeDecodeError):
             continue
-        per_file = 0
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= 30:
-                found.append((path.stem, ast.get_source_segment(source, node)))
-                per_file += 1
-                if per_file == 3:
-                    break
-        if len(found) >= count:
-            break
-    return [(m, s) for m, s in found if s]
+        fitting = (node for node in ast.walk(tree)
+                   if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= 30)
+        for node in itertools.islice(fitting, skip, skip + per_file):
+            text = ast.get_source_segment(source, node)
+            if text:
+                found.append((path.stem, text))
+    return found
 
 
 def _plant_bug(src: str) -> str:
