@@ -20,7 +20,7 @@ from dlite_ray.runtime.layers import RMSNorm
 from dlite_ray.training.batches import Batch
 from dlite_ray.training.losses import kl_divergence, position_weights
 from dlite_ray.training.trainer import Objective, TrainConfig, distillation_loss, draft_logits
-from dlite_ray.training.vocabulary import TrainingVocabulary
+from dlite_ray.training.vocabulary import Vocab
 
 
 class WindowTeacher(nn.Module):
@@ -35,18 +35,17 @@ class WindowTeacher(nn.Module):
         self.fuse = nn.Linear(len(self.history_slots) * d, d, bias=False)
         self.fuse_norm = RMSNorm(d, draft.cfg.layers.rms_norm_eps)
 
-    def head_logits(self, batch: Batch, vocab: TrainingVocabulary | None = None) -> torch.Tensor:
+    def head_logits(self, batch: Batch, vocab: Vocab = None) -> torch.Tensor:
         states = self.fuse_norm(self.fuse(batch.history.flatten(2).to(batch.features.dtype)))
         distances = torch.arange(self.window, 0, -1, device=states.device)
         return draft_logits(self.draft, batch, HistoryWindow(states, distances, batch.history_valid), vocab)
 
 
-def teacher_objective(teacher: WindowTeacher, cfg: TrainConfig, vocab: TrainingVocabulary | None = None) -> Objective:
-    def logits(batch: Batch) -> torch.Tensor:
-        return teacher.head_logits(batch, vocab)
+def teacher_objective(teacher: WindowTeacher, cfg: TrainConfig, vocab: Vocab = None) -> Objective:
+    def loss(batch: Batch, _progress: float, vocab: Vocab) -> tuple[torch.Tensor, dict[str, float]]:
+        return distillation_loss(teacher.head_logits(batch, vocab), batch, cfg)
 
-    return Objective(teacher, lambda batch, _progress: distillation_loss(logits(batch), batch, cfg), logits,
-                     teacher.window, teacher.history_slots, vocab)
+    return Objective(teacher, loss, teacher.head_logits, teacher.window, teacher.history_slots, vocab)
 
 
 def adopt_teacher_head(student: DLiteDraftModel, teacher: WindowTeacher) -> None:
@@ -61,18 +60,20 @@ def blend_weight(progress: float) -> float:
 
 
 def blend_objective(student: DLiteDraftModel, teacher: WindowTeacher, cfg: TrainConfig,
-                    vocab: TrainingVocabulary | None = None) -> Objective:
-    def loss(batch: Batch, progress: float) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = draft_logits(student, batch, vocab=vocab)
+                    vocab: Vocab = None) -> Objective:
+    def logits(batch: Batch, vocab: Vocab) -> torch.Tensor:
+        return draft_logits(student, batch, vocab=vocab)
+
+    def loss(batch: Batch, progress: float, vocab: Vocab) -> tuple[torch.Tensor, dict[str, float]]:
+        drafted = logits(batch, vocab)
         with torch.no_grad():
             teacher.eval()
             target = teacher.head_logits(batch, vocab)
-        w = position_weights(logits.shape[1], cfg.gamma, logits.device) * batch.label_mask
-        kl = kl_divergence(target, logits, w)
-        direct, parts = distillation_loss(logits, batch, cfg)
+        w = position_weights(drafted.shape[1], cfg.gamma, drafted.device) * batch.label_mask
+        kl = kl_divergence(target, drafted, w)
+        direct, parts = distillation_loss(drafted, batch, cfg)
         alpha = blend_weight(progress)
         return (1 - alpha) * kl + alpha * direct, {"kl": kl.item(), **parts}
 
     # batches carry the teacher's window; the student never looks at it
-    return Objective(student, loss, lambda batch: draft_logits(student, batch, vocab=vocab), teacher.window,
-                     teacher.history_slots, vocab)
+    return Objective(student, loss, logits, teacher.window, teacher.history_slots, vocab)

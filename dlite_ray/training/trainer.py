@@ -29,7 +29,7 @@ from dlite_ray.training.losses import (
     position_weights,
     total_variation_topk,
 )
-from dlite_ray.training.vocabulary import TrainingVocabulary
+from dlite_ray.training.vocabulary import Vocab, drafted_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -53,31 +53,41 @@ class TrainConfig:
             raise ValueError("steps, batch_size and lr must be positive")
 
 
+Loss = Callable[[Batch, float, Vocab], tuple[torch.Tensor, dict[str, float]]]  # (batch, progress 0..1, vocab)
+HeadLogits = Callable[[Batch, Vocab], torch.Tensor]  # teacher-forced head logits [N, K, V], or [N, K, M] over vocab
+
+
 @dataclass(slots=True)
 class Objective:
-    """What one training stage optimises."""
+    """What one training stage optimises. Its vocabulary is given here once: the batches, the
+    loss and the logits all take it from the objective."""
 
     model: nn.Module  # trained and checkpointed; the target's embedding inside stays frozen and unsaved
-    loss: Callable[[Batch, float], tuple[torch.Tensor, dict[str, float]]]  # (batch, progress 0..1)
-    logits: Callable[[Batch], torch.Tensor]  # teacher-forced head logits [N, K, V], or [N, K, M] over vocab
+    loss_fn: Loss
+    logits_fn: HeadLogits
     window: int = 0  # history positions the batches carry (the teacher's)
     history_slots: tuple[int, ...] = ()
-    vocab: TrainingVocabulary | None = None  # the draft's vocabulary, when it drafts from a subset
+    vocab: Vocab = None
 
     def batch(self, records: list[Record], anchors: list[tuple[int, int]], k: int) -> Batch:
         batch = make_batch(records, anchors, k, self.window, self.history_slots)
         return batch if self.vocab is None else self.vocab.restrict(batch)
 
+    def loss(self, batch: Batch, progress: float) -> tuple[torch.Tensor, dict[str, float]]:
+        return self.loss_fn(batch, progress, self.vocab)
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        return self.logits_fn(batch, self.vocab)
+
 
 def draft_logits(draft: DLiteDraftModel, batch: Batch, history: HistoryWindow | None = None,
-                 vocab: TrainingVocabulary | None = None) -> torch.Tensor:
+                 vocab: Vocab = None) -> torch.Tensor:
     """Teacher-forced head logits [N, K, V] (the backbone sees the anchor and K masks),
     or [N, K, M] over `vocab`'s M tokens."""
     k = batch.labels.shape[1]
     u = draft.backbone(batch.features, batch.anchors, k, history)
     state = draft.sequential_head.initial_state(u.shape[0], u)
-    return draft.sequential_head.teacher_forced(u, batch.prev_tokens, state,
-                                                None if vocab is None else vocab.token_ids)
+    return draft.sequential_head.teacher_forced(u, batch.prev_tokens, state, drafted_token_ids(vocab))
 
 
 def distillation_loss(logits: torch.Tensor, batch: Batch, cfg: TrainConfig) -> tuple[torch.Tensor, dict[str, float]]:
@@ -89,12 +99,15 @@ def distillation_loss(logits: torch.Tensor, batch: Batch, cfg: TrainConfig) -> t
     return ce + cfg.tv_weight * tv, {"ce": ce.item(), "tv": tv.item()}
 
 
-def student_objective(draft: DLiteDraftModel, cfg: TrainConfig, vocab: TrainingVocabulary | None = None) -> Objective:
+def student_objective(draft: DLiteDraftModel, cfg: TrainConfig, vocab: Vocab = None) -> Objective:
     """The history-free draft trained directly on CE + TV (the one-stage baseline, and stage 2)."""
-    def logits(batch: Batch) -> torch.Tensor:
+    def logits(batch: Batch, vocab: Vocab) -> torch.Tensor:
         return draft_logits(draft, batch, vocab=vocab)
 
-    return Objective(draft, lambda batch, _progress: distillation_loss(logits(batch), batch, cfg), logits, vocab=vocab)
+    def loss(batch: Batch, _progress: float, vocab: Vocab) -> tuple[torch.Tensor, dict[str, float]]:
+        return distillation_loss(logits(batch, vocab), batch, cfg)
+
+    return Objective(draft, loss, logits, vocab=vocab)
 
 
 @torch.no_grad()
@@ -137,7 +150,7 @@ def train(objective: Objective, records: list[Record], anchors: list[tuple[int, 
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95), fused=True)
     ckpt = out_dir / f"{label}.ckpt"
     step, history = 0, []
-    vocab_ids = None if objective.vocab is None else objective.vocab.token_ids
+    vocab_ids = drafted_token_ids(objective.vocab)
     if ckpt.exists():
         state = torch.load(ckpt)
         if not _same_vocabulary(state.get("vocab"), vocab_ids):

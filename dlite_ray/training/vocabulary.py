@@ -46,3 +46,11 @@ class TrainingVocabulary:
         """The batch with labels and top-k ids as indices into the subset. The previous
         tokens the head reads stay token ids: its input embedding covers every token."""
         return replace(batch, labels=self.index_of[batch.labels], top_ids=self.index_of[batch.top_ids.long()])
+
+
+Vocab = TrainingVocabulary | None  # None: the draft drafts from the whole vocabulary
+
+
+def drafted_token_ids(vocab: Vocab) -> torch.Tensor | None:
+    """The token ids the head's logits cover: the subset's, or None for every token."""
+    return None if vocab is None else vocab.token_ids

@@ -102,7 +102,7 @@ def test_off_chain_labels_neither_train_nor_count_as_accepted(tmp_path):
     relabelled, _ = distillation_loss(logits, batch, cfg)
     assert masked < loss and torch.equal(masked, relabelled)  # the masked label plays no part
     # acceptance: the draft is made to hit every label; a masked one ends the block
-    hit = Objective(draft, None, lambda b: F.one_hot(b.labels, 128).float())
+    hit = Objective(draft, None, lambda b, _vocab: F.one_hot(b.labels, 128).float())
     everything = greedy_acceptance(hit, records, all_anchors(records, 3), 3)
     assert everything["tau"] == 4.0
     for rec in records:
@@ -200,7 +200,7 @@ def test_training_over_the_drafts_vocabulary(tmp_path):
     """The head learns the 24 tokens the target says most; a label outside them is a miss."""
     _target, draft, records, anchors = _training_data(tmp_path, 3)
     vocab = TrainingVocabulary(frequent_tokens(label_counts(records, 128), 24), 128)
-    hit = Objective(draft, None, lambda b: F.one_hot(b.labels.clamp(min=0), 24).float(), vocab=vocab)
+    hit = Objective(draft, None, lambda b, _vocab: F.one_hot(b.labels.clamp(min=0), 24).float(), vocab=vocab)
     inside = torch.stack([vocab.index_of[make_batch(records, [a], 3).labels[0]] >= 0 for a in anchors])
     expected = inside.long().cumprod(dim=1).float().mean(0)
     assert 0 < expected[0] < 1  # some labels lie outside the 24 tokens
@@ -229,7 +229,7 @@ def test_a_run_resumes_only_over_the_vocabulary_it_trained_over(tmp_path):
                     tmp_path / "run")
     assert resumed["history"][-1]["step"] == 3
     # a head that ignores the objective's vocabulary is caught, not measured over the wrong tokens
-    wrong = Objective(draft, None, lambda b: draft_logits(draft, b), vocab=vocab)
+    wrong = Objective(draft, None, lambda b, _vocab: draft_logits(draft, b), vocab=vocab)
     with pytest.raises(ValueError, match="vocabulary of 64 tokens"):
         greedy_acceptance(wrong, records, anchors, 3)
 
