@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, dlite-b, "
                             "dlite-nolookup (the draft without context lookup), dlite-fixed (full draft and copy length "
-                            "every round, no adaptive policy), lookup (context lookup alone)")
+                            "every round, no adaptive policy), lookup (context lookup alone), llama.cpp and llama.cpp-bf16 "
+                            "(llama-cpp-python on the target's GGUF as stored / converted to bf16; "
+                            "pip install -e '.[llamacpp]')")
     bench.add_argument("--target", default=None)
     bench.add_argument("--draft", default="default")
     bench.add_argument("--draft-b", default="default",

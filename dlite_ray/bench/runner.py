@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dlite_ray.bench.llamacpp import LLAMACPP_METHODS, LlamaCppMethod, bf16_copy
 from dlite_ray.bench.machine import machine_info
 from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes, truncated_draft
 from dlite_ray.bench.oracle import OracleDraftTransport
@@ -21,10 +22,11 @@ from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir, load_draft
+from dlite_ray.runtime.model_store import default_gguf_path
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
-               "dlite-nolookup", "dlite-fixed", "lookup")
+               "dlite-nolookup", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
 ASSISTANT_LAYERS = 6
 
 
@@ -126,7 +128,20 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             methods[name] = HFMethod(name, hf, prompt_lookup_num_tokens=10)
         elif name == "hf-assisted":
             methods[name] = HFMethod(name, hf, assistant_model=truncated_draft(hf, ASSISTANT_LAYERS))
+        elif name in LLAMACPP_METHODS:
+            gguf = _target_gguf(args.target)
+            methods[name] = LlamaCppMethod(name, bf16_copy(gguf) if name == "llama.cpp-bf16" else gguf,
+                                           dlite.eos_ids, dlite.runner.max_context)
     return methods
+
+
+def _target_gguf(target: str | None) -> Path:
+    """The GGUF file llama.cpp reads: the target's own (the default model's is cached)."""
+    if target is None:
+        return default_gguf_path()
+    if Path(target).suffix != ".gguf":
+        raise SystemExit(f"llama.cpp reads GGUF files; --target {target} is not one")
+    return Path(target)
 
 
 def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dict:
@@ -153,6 +168,7 @@ def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dic
                 "draft_time": statistics.median(r.draft_time for r in rs),
                 "verify_time": statistics.median(r.verify_time for r in rs),
                 "decode_time": statistics.median(r.decode_time for r in rs),
+                "lossless": methods[name].lossless,
                 "matches_ar": None if reference is None else r0.token_ids == reference,
                 "first_mismatch": None if reference is None else _first_mismatch(r0.token_ids, reference),
             })
@@ -175,7 +191,10 @@ def summarize(rows: list[dict]) -> dict:
         "mean_accept_length_copied": _mean([a for a, c in zip(lengths, copied) if c]),
         "mean_accept_length_drafted": _mean([a for a, c in zip(lengths, copied) if not c]),
         "per_position_acceptance": [a / t if t else None for a, t in zip(accepts, trials)],
-        "greedy_mismatches": sum(1 for r in rows if r["matches_ar"] is False),
+        # a lossy method's replies (other kernels, other weights) are compared, not counted as errors
+        "greedy_mismatches": (sum(1 for r in rows if r["matches_ar"] is False)
+                              if all(r["lossless"] for r in rows) else None),
+        "same_replies_as_ar": _mean([r["matches_ar"] for r in rows if r["matches_ar"] is not None]),
         "per_prompt": rows,
     }
 
@@ -291,3 +310,6 @@ def _print_table(results: dict) -> None:
                   + (f"{drafted:.2f})" if drafted else "-)"))
     mism = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
     print(f"greedy outputs differing from plain decoding: {mism or 'none'}")
+    for n, m in results["methods"].items():
+        if m["greedy_mismatches"] is None and m["same_replies_as_ar"] is not None:
+            print(f"{n} (not lossless against ours): {m['same_replies_as_ar']:.0%} of greedy replies identical")

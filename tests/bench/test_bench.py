@@ -9,7 +9,15 @@ import pytest
 
 from dlite_ray.bench.methods import Run, draft_kv_bytes
 from dlite_ray.bench.report import write_report
-from dlite_ray.bench.runner import _overall, _paired_ratios, _ratios, build_methods, measure, summarize
+from dlite_ray.bench.runner import (
+    _overall,
+    _paired_ratios,
+    _ratios,
+    _target_gguf,
+    build_methods,
+    measure,
+    summarize,
+)
 from dlite_ray.bench.workloads import load_workload
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from tests.conftest import make_tiny_checkpoint, read_config
@@ -39,8 +47,8 @@ def test_builtin_chat_and_long_context_workloads():
 class _Fixed:
     """A method that returns fixed tokens (to plant a mismatch)."""
 
-    def __init__(self, tokens):
-        self.tokens = tokens
+    def __init__(self, tokens, lossless=True):
+        self.tokens, self.lossless = tokens, lossless
 
     def run(self, ids, max_new_tokens):
         return Run(list(self.tokens), 0.01, 10.0, 9.0, [2, 1], [1], [2], 0.001, 0.01, 0.1)
@@ -63,6 +71,23 @@ def test_the_equality_check_catches_a_planted_mismatch():
     assert results["methods"]["dlite"]["greedy_mismatches"] == 0
     assert results["methods"]["broken"]["greedy_mismatches"] == 2
     assert results["workloads"]["w"]["broken"]["per_prompt"][0]["first_mismatch"] == 1
+
+
+def test_a_lossy_methods_replies_are_compared_not_counted_as_mismatches(tmp_path):
+    methods = {"ar": _Fixed([1, 2, 3]), "other-kernels": _Fixed([1, 9, 3], lossless=False)}
+    per = measure(methods, [("p0", "t", [5, 6]), ("p1", "t", [7])], SimpleNamespace(repeats=1, max_new_tokens=3))
+    assert per["other-kernels"]["greedy_mismatches"] is None
+    assert per["other-kernels"]["same_replies_as_ar"] == 0.0 and per["ar"]["same_replies_as_ar"] == 1.0
+    results = _results()
+    results["methods"]["broken"].update(greedy_mismatches=None, same_replies_as_ar=0.25)
+    write_report(results, tmp_path)
+    assert "not lossless: 25% of replies identical" in (tmp_path / "report.md").read_text()
+
+
+def test_llama_cpp_reads_gguf_files_only():
+    with pytest.raises(SystemExit, match="reads GGUF files"):
+        _target_gguf("/some/hf_dir")
+    assert str(_target_gguf("/models/x.gguf")) == "/models/x.gguf"
 
 
 def test_result_schema_and_report(tmp_path):
@@ -101,7 +126,8 @@ def test_dlite_b_drafts_with_the_other_checkpoint_on_the_same_target(tmp_path):
 
 def test_copied_rounds_are_summarised_apart_from_drafted_ones():
     rows = [{"accept_lengths": [4, 2, 6], "copied_rounds": [True, False, True], "position_accepts": [1],
-             "position_trials": [1], "decode_tps": 1.0, "e2e_tps": 1.0, "ttft_s": 0.1, "matches_ar": True}]
+             "position_trials": [1], "decode_tps": 1.0, "e2e_tps": 1.0, "ttft_s": 0.1, "matches_ar": True,
+             "lossless": True}]
     s = summarize(rows)
     assert s["mean_accept_length"] == 4.0
     assert s["copied_round_share"] == pytest.approx(2 / 3)
