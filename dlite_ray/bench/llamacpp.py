@@ -30,7 +30,7 @@ from dlite_ray.bench.methods import Run
 log = logging.getLogger(__name__)
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp-bf16")
 GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR = 3, 4  # ggml.h (llama-cpp-python's own logger says 2, 3)
-_LOG_CALLBACK: dict = {}  # llama.cpp keeps a pointer to the callback: it must outlive every call
+_log_callback = None  # llama.cpp keeps a pointer to it: the object must outlive every call
 
 
 @functools.cache
@@ -40,7 +40,9 @@ def _llama_cpp():
     except ImportError as e:
         raise SystemExit("the llama.cpp methods need llama-cpp-python: pip install -e '.[llamacpp]' "
                          "(it compiles llama.cpp for this CPU, a few minutes)") from e
-    llama_cpp.llama_log_set(_LOG_CALLBACK.setdefault("c", llama_cpp.llama_log_callback(_log)), ctypes.c_void_p(0))
+    global _log_callback
+    _log_callback = llama_cpp.llama_log_callback(_log)
+    llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
     return llama_cpp
 
 
