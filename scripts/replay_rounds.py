@@ -28,10 +28,12 @@ import torch
 
 from dlite_ray.engine.context_lookup import NgramIndex
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.runtime.draft_vocab import load_draft_vocab
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import load_records
 from dlite_ray.training.pipeline import init_weights, new_draft
 from dlite_ray.training.trainer import TrainConfig, student_objective
+from dlite_ray.training.vocabulary import TrainingVocabulary
 
 K, COPY_TOKENS = 7, 15
 PROPOSERS = ("draft", "draft+branch", "copy", "copy+branch", "copy-if-draft-agrees", "copy+draft")
@@ -42,7 +44,10 @@ def predictions(records, draft_dir: Path):
     engine = DLiteEngine.from_pretrained(None, draft=None)
     draft = new_draft(engine, 2, 5, 64, K + 1, 0)
     init_weights(draft, draft_dir)
-    objective = student_objective(draft, TrainConfig(steps=1, batch_size=1, lr=1e-3))
+    # over the draft's vocabulary, as the engine drafts: the head's other rows never trained
+    ids = load_draft_vocab(draft_dir, draft.cfg.layers.vocab_size)
+    vocab = None if ids is None else TrainingVocabulary(ids, draft.cfg.layers.vocab_size)
+    objective = student_objective(draft, TrainConfig(steps=1, batch_size=1, lr=1e-3), vocab)
     objective.model.eval()
     anchors = all_anchors(records, K)
     best, second = {}, {}
@@ -50,6 +55,8 @@ def predictions(records, draft_dir: Path):
         for i in range(0, len(anchors), 256):
             chunk = anchors[i:i + 256]
             top2 = objective.logits(objective.batch(records, chunk, K)).topk(2, dim=-1).indices
+            if vocab is not None:
+                top2 = vocab.token_ids[top2]  # subset indices -> token ids
             for anchor, rows in zip(chunk, top2.tolist()):
                 best[anchor] = [r[0] for r in rows]
                 second[anchor] = rows[0][1]

@@ -43,12 +43,14 @@ def _llama_cpp():
     global _log_callback
     _log_callback = llama_cpp.llama_log_callback(_log)
     llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
     return llama_cpp
 
 
 def _log(level: int, text: bytes, _user_data) -> None:
-    """llama.cpp's warnings and errors to our log; its loader's info lines (one per tensor) dropped."""
-    if level in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR):
+    """llama.cpp's warnings and errors to our log; its loader's info lines (one per tensor)
+    and continuation lines (level CONT, which would need the previous line's level) dropped."""
+    if text and level in (GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR):
         log.warning("llama.cpp: %s", text.decode(errors="replace").rstrip())
 
 
@@ -64,9 +66,12 @@ def bf16_copy(gguf: Path) -> Path:
     params.nthread = torch.get_num_threads()
     partial = out.with_suffix(".partial")
     log.info("converting %s to bf16 with llama.cpp", gguf)
-    if llama_cpp.llama_model_quantize(str(gguf).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not convert {gguf} to bf16")
-    partial.rename(out)
+    try:
+        if llama_cpp.llama_model_quantize(str(gguf).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
+            raise RuntimeError(f"llama.cpp could not convert {gguf} to bf16")
+        partial.rename(out)
+    finally:
+        partial.unlink(missing_ok=True)
     return out
 
 
@@ -74,14 +79,14 @@ class LlamaCppMethod:
     """Greedy decoding with llama.cpp on the same token ids, timed token by token. It drives
     llama.cpp's C API (decode, then argmax of the last logits), so no Python sampler sits
     between tokens. Each request starts from an empty cache: its TTFT includes the whole
-    prefill, its decode speed (what the report compares) does not."""
+    prefill, its decode speed (what the report compares) does not. Model and context live
+    as long as the benchmark process."""
 
     lossless = False
 
     def __init__(self, name: str, gguf: Path, eos_ids: tuple[int, ...], max_context: int):
         lib = self.lib = _llama_cpp()
-        self.name, self.eos_ids = name, set(eos_ids)
-        lib.llama_backend_init()
+        self.name, self.eos_ids, self.max_context = name, set(eos_ids), max_context
         model_params = lib.llama_model_default_params()
         # llama.cpp's repacked-weight buffers (AMX here) crashed decoding SmolLM2's Q4_1 file
         # in llama-cpp-python 0.3.36 on this machine; batch-1 decode reads the weights as stored
@@ -93,6 +98,9 @@ class LlamaCppMethod:
         ctx_params.n_ctx = ctx_params.n_batch = max_context  # a whole prompt in one decode call
         ctx_params.n_threads = ctx_params.n_threads_batch = torch.get_num_threads()
         self.ctx = lib.llama_init_from_model(self.model, ctx_params)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise RuntimeError(f"llama.cpp could not make a {max_context}-token context for {gguf}")
         self.vocab_size = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
 
     def _decode(self, ids: list[int]) -> int:
@@ -104,7 +112,8 @@ class LlamaCppMethod:
         return int(np.ctypeslib.as_array(logits, shape=(self.vocab_size,)).argmax())
 
     def run(self, ids: list[int], max_new_tokens: int) -> Run:
-        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        max_new_tokens = min(max_new_tokens, self.max_context - len(ids))  # as our engine caps a request
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), False)  # positions restart at 0
         start = time.perf_counter()
         new, times = [self._decode(ids)], [time.perf_counter()]
         while new[-1] not in self.eos_ids and len(new) < max_new_tokens:

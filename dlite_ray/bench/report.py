@@ -34,8 +34,10 @@ def _markdown(results: dict, plots: list[str]) -> str:
         tau = f"{s['mean_accept_length']:.2f}" if s["mean_accept_length"] else "-"
         copied = (f"{s['copied_round_share']:.0%} ({s['mean_accept_length_copied']:.2f})"
                   if s.get("copied_round_share") else "-")
-        mismatches = (s["greedy_mismatches"] if s["greedy_mismatches"] is not None
-                      else f"not lossless: {s['same_replies_as_ar'] or 0:.0%} of replies identical")
+        mismatches = s["greedy_mismatches"]
+        if mismatches is None:
+            same = s["same_replies_as_ar"]
+            mismatches = "not lossless" + ("" if same is None else f": {same:.0%} of replies identical")
         lines.append(f"| {n} | {s['tokens_per_second']:.1f} | {s['e2e_tokens_per_second']:.1f} | "
                      f"{s['ttft_s']:.3f} | {tau} | {copied} | {mismatches} |")
     lines += ["", "Ratios (decode tokens/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
