@@ -97,6 +97,9 @@ class LlamaCppMethod:
         ctx_params = lib.llama_context_default_params()
         ctx_params.n_ctx = ctx_params.n_batch = max_context  # a whole prompt in one decode call
         ctx_params.n_threads = ctx_params.n_threads_batch = torch.get_num_threads()
+        # its best decode here: at a 3090-token context 30.0 tok/s with flash attention off,
+        # 12.8 with the default (auto, which turns it on), 11.5 forced on
+        ctx_params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = lib.llama_init_from_model(self.model, ctx_params)
         if not self.ctx:
             lib.llama_model_free(self.model)
