@@ -33,7 +33,7 @@ from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import load_records
 from dlite_ray.training.pipeline import init_weights, new_draft
 from dlite_ray.training.trainer import TrainConfig, student_objective
-from dlite_ray.training.vocabulary import TrainingVocabulary
+from dlite_ray.training.vocabulary import vocab_of
 
 K, COPY_TOKENS = 7, 15
 PROPOSERS = ("draft", "draft+branch", "copy", "copy+branch", "copy-if-draft-agrees", "copy+draft")
@@ -45,8 +45,7 @@ def predictions(records, draft_dir: Path):
     draft = new_draft(engine, 2, 5, 64, K + 1, 0)
     init_weights(draft, draft_dir)
     # over the draft's vocabulary, as the engine drafts: the head's other rows never trained
-    ids = load_draft_vocab(draft_dir, draft.cfg.layers.vocab_size)
-    vocab = None if ids is None else TrainingVocabulary(ids, draft.cfg.layers.vocab_size)
+    vocab = vocab_of(load_draft_vocab(draft_dir, draft.cfg.layers.vocab_size), draft.cfg.layers.vocab_size)
     objective = student_objective(draft, TrainConfig(steps=1, batch_size=1, lr=1e-3), vocab)
     objective.model.eval()
     anchors = all_anchors(records, K)

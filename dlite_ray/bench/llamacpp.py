@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dlite_ray.bench.methods import Run
+from dlite_ray.bench.methods import Run, timed_run
 
 log = logging.getLogger(__name__)
 LLAMACPP_METHODS = ("llama.cpp", "llama.cpp-bf16")
@@ -122,7 +122,4 @@ class LlamaCppMethod:
         while new[-1] not in self.eos_ids and len(new) < max_new_tokens:
             new.append(self._decode(new[-1:]))
             times.append(time.perf_counter())
-        end = time.perf_counter()
-        decode = times[-1] - times[0]
-        return Run(new, times[0] - start, (len(new) - 1) / decode if decode > 0 else 0.0, len(new) / (end - start),
-                   decode_time=decode)
+        return timed_run(new, start, times, [1] * len(new), time.perf_counter())

@@ -79,14 +79,18 @@ class HFMethod:
         out = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
                                   streamer=streamer, **self.kwargs)
         end = time.perf_counter()
-        new = out[0, len(ids):].tolist()
-        t = streamer.times[1:]  # generated-token emissions
-        counts = streamer.counts[1:]
-        first = t[0] if t else end
-        after_first = sum(counts[1:])
-        decode = (t[-1] - first) if len(t) > 1 else 0.0
-        return Run(new, first - start, after_first / decode if decode > 0 else 0.0, len(new) / (end - start),
-                   decode_time=decode)
+        # the first put is the prompt; the rest are generated-token emissions
+        return timed_run(out[0, len(ids):].tolist(), start, streamer.times[1:], streamer.counts[1:], end)
+
+
+def timed_run(token_ids: list[int], start: float, emitted_at: list[float], counts: list[int], end: float) -> Run:
+    """A Run of a method timed by its token emissions (`counts[i]` tokens at `emitted_at[i]`):
+    time to first token, and decode speed as the tokens after the first emission over the
+    time from the first emission to the last."""
+    first = emitted_at[0] if emitted_at else end
+    decode = emitted_at[-1] - first if len(emitted_at) > 1 else 0.0
+    return Run(token_ids, first - start, sum(counts[1:]) / decode if decode > 0 else 0.0,
+               len(token_ids) / (end - start), decode_time=decode)
 
 
 def truncated_draft(model, num_layers: int):

@@ -36,7 +36,7 @@ from dlite_ray.training.data import (
 from dlite_ray.training.prompts import build_prompt_set
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
 from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
-from dlite_ray.training.vocabulary import TrainingVocabulary
+from dlite_ray.training.vocabulary import Vocab, vocab_of
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def _warn_if_widened(directory: str | Path, ids: torch.Tensor | None, vocab_size
 
 
 def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
-                    args, vocab: TrainingVocabulary | None) -> dict:
+                    args, vocab: Vocab) -> dict:
     """Teacher (--teacher-steps), then the student: --blend-steps of KL blended into CE + TV
     under the teacher's frozen head, then the rest of --steps with everything trainable."""
     blend_steps = args.blend_steps if args.blend_steps is not None else args.steps // 3
@@ -258,7 +258,7 @@ def run(args) -> dict:
                       weight_decay=args.weight_decay)
     dev_anchors = all_anchors(dev_records, k)
     vocab_ids = training_vocabulary(train_records, args, draft.cfg.layers.vocab_size)
-    vocab = None if vocab_ids is None else TrainingVocabulary(vocab_ids, draft.cfg.layers.vocab_size)
+    vocab = vocab_of(vocab_ids, draft.cfg.layers.vocab_size)
     data = (train_records, all_anchors(train_records, k), dev_records, dev_anchors, k)
     initial_dev = None
     if args.init_from:  # so a drop from continued training shows at the first eval, not the last

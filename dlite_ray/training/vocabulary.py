@@ -51,6 +51,11 @@ class TrainingVocabulary:
 Vocab = TrainingVocabulary | None  # None: the draft drafts from the whole vocabulary
 
 
+def vocab_of(token_ids: torch.Tensor | None, vocab_size: int) -> Vocab:
+    """The training vocabulary of a draft's token subset; None (every token) for none."""
+    return None if token_ids is None else TrainingVocabulary(token_ids, vocab_size)
+
+
 def drafted_token_ids(vocab: Vocab) -> torch.Tensor | None:
     """The token ids the head's logits cover: the subset's, or None for every token."""
     return None if vocab is None else vocab.token_ids
