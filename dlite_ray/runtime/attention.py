@@ -225,32 +225,44 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
 
 
 def _kernel_rows(real: int, group: int, q: torch.Tensor) -> int:
-    """How many query rows a position-exact call gives the kernel for `real` rows: only the
-    real ones where the CPU kernel computes a row the same whatever the call's row count
-    (measured once, `_rows_computed_alone`), else always MAX_POSITIONED_ROWS (padded), so
-    that a decode step and a verify step run the same arithmetic either way. A decode call
-    has 3 real rows of 48 for SmolLM2: at 3000 tokens of context it costs ~4x less unpadded."""
-    if q.device.type == "cpu" and _rows_computed_alone(q.dtype, q.shape[-1], group):
-        return _unpadded(real)
-    return MAX_POSITIONED_ROWS
+    """How many query rows a position-exact call gives the kernel for `real` rows: the real
+    ones, padded only as far as the CPU kernel needs to compute every row as it would in a
+    full MAX_POSITIONED_ROWS call (measured once, `_smallest_exact_tail`), else always
+    MAX_POSITIONED_ROWS, so that a decode step and a verify step run the same arithmetic
+    either way. A decode call has 3 real rows of 48 for SmolLM2: it costs ~5x less at 4
+    rows than at 48 (240 -> 50 us a layer at 300 tokens of context)."""
+    tail = _smallest_exact_tail(q.dtype, q.shape[-1], group) if q.device.type == "cpu" else None
+    return MAX_POSITIONED_ROWS if tail is None else _padded(real, tail)
 
 
-def _unpadded(real: int) -> int:
-    # The CPU kernel works in blocks of 32 query rows, and a block of one row takes another
-    # code path that rounds differently (measured: rows 1 and 33 of a call); one padding row
-    # keeps every block at two rows or more.
-    return real + 1 if real % 32 == 1 else real
+# The CPU kernel works in blocks of this many query rows; a last block of very few rows
+# takes other code paths that round differently (measured: blocks of 1 row on one Xeon,
+# of 1-3 rows on another).
+KERNEL_BLOCK_ROWS = 32
+
+
+def _padded(real: int, tail: int) -> int:
+    """`real` rows padded so that the last block of the call holds at least `tail` rows."""
+    last = real % KERNEL_BLOCK_ROWS
+    return min(real + tail - last, MAX_POSITIONED_ROWS) if 0 < last < tail else real
 
 
 @functools.cache
-def _rows_computed_alone(dtype: torch.dtype, head_dim: int, group: int) -> bool:
-    """Whether the CPU kernel gives every row the same bits in a call of each row count the
-    position-exact path may use as in a full MAX_POSITIONED_ROWS call (random inputs,
-    masked, 88 key counts up to 12 windows; ~0.5 s once per process and shape). A rounding
-    difference shows only for some inputs: with the one-row guard of `_unpadded` left out,
-    this finds it within the first 45 key counts here."""
+def _smallest_exact_tail(dtype: torch.dtype, head_dim: int, group: int) -> int | None:
+    """The fewest rows the kernel's last block may hold for every row to come out with the
+    same bits as in a full MAX_POSITIONED_ROWS call, whatever the call's row count (random
+    inputs, masked, 88 key counts up to 12 windows; ~0.1-0.5 s a try, once per process and
+    shape); None if no padding short of the full count does it. A rounding difference shows
+    only for some inputs: with no padding, this finds it within the first 45 key counts."""
+    for tail in (1, 2, 4, 8, 16):
+        if _rows_computed_alone(dtype, head_dim, group, tail):
+            return tail
+    return None
+
+
+def _rows_computed_alone(dtype: torch.dtype, head_dim: int, group: int, tail: int) -> bool:
     gen = torch.Generator().manual_seed(0)
-    counts = sorted({_unpadded(group * m) for m in range(1, MAX_POSITIONED_ROWS // group + 1)})
+    counts = sorted({_padded(group * m, tail) for m in range(1, MAX_POSITIONED_ROWS // group + 1)})
     for num_keys in (*range(1, 4 * WINDOW + 76, 13), 5 * WINDOW + 7, 8 * WINDOW + 1, 12 * WINDOW + 28):
         q = torch.randn(3, MAX_POSITIONED_ROWS, head_dim, generator=gen).to(dtype)
         k, v = (torch.randn(3, num_keys, head_dim, generator=gen).to(dtype) for _ in range(2))

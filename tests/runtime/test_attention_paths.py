@@ -74,10 +74,10 @@ def test_every_path_equals_plain_causal_attention(layout, ctx, steps):
 
 @pytest.fixture(params=["measured", "padded"])
 def row_policy(request, monkeypatch):
-    """Kernel calls carry only their real rows where the kernel was measured to allow it
-    (this machine's bf16: yes), or always the full padded count (what other kernels get)."""
+    """Kernel calls carry their real rows, padded only as far as the kernel was measured to
+    need, or always the full padded count (what kernels that need more get)."""
     if request.param == "padded":
-        monkeypatch.setattr(attention, "_rows_computed_alone", lambda *shape: False)
+        monkeypatch.setattr(attention, "_smallest_exact_tail", lambda *shape: None)
     return request.param
 
 
@@ -104,21 +104,26 @@ def test_decode_rows_do_not_depend_on_where_the_blocks_sit(ctx):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
-def test_a_kernel_that_rounds_by_row_count_gets_padded_calls(monkeypatch):
-    """The measurement behind unpadded calls must catch a kernel whose rows depend on the
-    call's row count, as the real one does for a block of one row (see `_unpadded`)."""
-    kernel = attention._attend_masked
+@pytest.mark.parametrize("rounds_below", [2, 4, 100])
+def test_a_kernel_that_rounds_by_row_count_gets_padded_calls(monkeypatch, rounds_below):
+    """The measurement behind short calls must catch a kernel whose rows depend on the
+    call's row count, as the real one does for a last block of 1 row (one Xeon) or 1-3
+    rows (another): it pads such blocks, or every call when short ones never come out right."""
+    kernel, full = attention._attend_masked, attention.MAX_POSITIONED_ROWS
 
     def rounds_by_row_count(q, k, v, mask):
-        out = kernel(q, k, v, mask)
-        return out if q.shape[1] == attention.MAX_POSITIONED_ROWS else out + torch.finfo(out.dtype).eps
+        rows = q.shape[1]  # computed as in a full call, then off by a rounding where short
+        out = kernel(F.pad(q, (0, 0, 0, full - rows)), k, v, F.pad(mask, (0, 0, 0, full - rows)))[:, :rows]
+        short = rows < full and (0 < rows % attention.KERNEL_BLOCK_ROWS < rounds_below or rows < rounds_below)
+        return out + torch.finfo(out.dtype).eps if short else out
 
     monkeypatch.setattr(attention, "_attend_masked", rounds_by_row_count)
-    attention._rows_computed_alone.cache_clear()
+    attention._smallest_exact_tail.cache_clear()
     try:
-        assert not attention._rows_computed_alone(torch.bfloat16, DH, GROUP)
+        tail = attention._smallest_exact_tail(torch.bfloat16, DH, GROUP)
     finally:
-        attention._rows_computed_alone.cache_clear()
+        attention._smallest_exact_tail.cache_clear()
+    assert tail == {2: 2, 4: 4, 100: None}[rounds_below]
 
 
 def test_a_sequence_that_overflowed_does_not_disturb_another():
