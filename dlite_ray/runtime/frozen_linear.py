@@ -1,18 +1,25 @@
-"""Inference-only linears: weights fixed at load time, packed for oneDNN where that pays.
+"""Inference-only linears: weights fixed at load time, packed for oneDNN on CPU.
 
 On CPU, a bf16 `F.linear` lays the weight out for the matrix unit (AMX / AVX-512 bf16) on
-every call, which makes it slower than float32 at batch 1. Packed once at load, a bf16
-linear costs about one weight read for anything from 1 to ~16 rows, while a float32 one
-grows with the rows. That is what makes verifying K + 1 drafted tokens nearly as cheap as
-decoding one token on this kind of machine.
+every call, and a float32 one (MKL) grows with the rows. Packed once at load, a linear
+costs about one weight read for anything from 1 to ~16 rows (float32 on an EPYC, 576 x
+1536: 1 row 43 us packed / 49 us plain, 8 rows 61 / 185 us). That is what makes verifying
+K + 1 drafted tokens nearly as cheap as decoding one token on this kind of machine.
 
-A packed bf16 linear computes each row exactly as it would alone, for up to 32 rows in a
-call (measured on AMX: from 33 rows on, oneDNN switches kernels and rounds differently;
-tests/runtime/test_frozen_linear.py checks this). So up to 32 tokens in a step (a verify
-step at K = 7 for up to 4 requests) give exactly the logits plain decoding would.
+Speculative decoding is exact only if a verify step computes each row exactly as decoding
+that token alone would. A linear call must then give a row the same bits whatever the
+call's row count, up to EXACT_ROWS rows (a verify step at K = 7 for up to 4 requests).
+Kernels differ: on an AMX Xeon a packed bf16 linear does for 1-32 rows; on an AMD EPYC
+(AVX-512 bf16) a one-row call takes another kernel for a 1536-wide input and rounds some
+rows differently, while every call of 2-48 rows agrees (there, unpacked float32 needs 16
+rows, packed float32 2). So each linear's shape is measured
+once (`fewest_exact_rows`) and calls with fewer rows are padded up to what agrees.
+tests/runtime/test_frozen_linear.py checks this.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -20,45 +27,87 @@ from torch import nn
 
 # oneDNN picks its kernel from this row count hint; decode and verify steps are small.
 PACKING_ROW_HINT = 8
+# Calls of up to this many rows compute each row as a call of this many rows does.
+EXACT_ROWS = 32
 
 
 def can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class FrozenLinear:
-    """y = x W^T + b with W fixed; a plain callable, not a module (nothing here trains)."""
+    """y = x W^T + b with W fixed; a plain callable, not a module (nothing here trains).
+    Calls of fewer than `min_rows` rows are padded (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class PackedLinear(FrozenLinear):
-    """A FrozenLinear whose weight oneDNN re-laid out once (CPU bf16 only, see can_pack).
-
-    The packed copy sits next to the parameter (kept for state_dict and fingerprints), so
-    packed weights take twice their memory (270 MB more for SmolLM2-135M in bf16). It is a
-    snapshot: changing the weights or moving the model after freezing is not supported."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        super().__init__(weight, bias)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROW_HINT)
+        self.min_rows = min_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], self.out_features)
+        rows = flat.shape[0]
+        if rows < self.min_rows:
+            flat = F.pad(flat, (0, 0, 0, self.min_rows - rows))
+        return self._linear(flat)[:rows].view(*x.shape[:-1], self.out_features)
+
+    def _linear(self, flat: torch.Tensor) -> torch.Tensor:
+        return F.linear(flat, self.weight, self.bias)
+
+
+class PackedLinear(FrozenLinear):
+    """A FrozenLinear whose weight oneDNN re-laid out once (CPU, see can_pack).
+
+    The packed copy sits next to the parameter (kept for state_dict and fingerprints), so
+    packed weights take twice their memory (270 MB more for SmolLM2-135M in bf16, 540 MB in
+    float32). It is a
+    snapshot: changing the weights or moving the model after freezing is not supported."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1):
+        super().__init__(weight, bias, min_rows)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROW_HINT)
+
+    def _linear(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
 
 
 def freeze_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
-    return PackedLinear(weight, bias) if can_pack(weight) else FrozenLinear(weight, bias)
+    kind = PackedLinear if can_pack(weight) else FrozenLinear
+    out_features, in_features = weight.shape
+    min_rows = fewest_exact_rows(kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
+    return kind(weight, bias, min_rows)
+
+
+@functools.cache
+def fewest_exact_rows(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool,
+                      dtype: torch.dtype, device: torch.device) -> int:
+    """The fewest rows a call of this linear's kind and shape must have for each of its rows
+    to come out with the same bits as in an EXACT_ROWS-row call (random weights and inputs:
+    every row count, every row alone; once per process and shape). A rounding difference
+    shows only for some rows: on the EPYC about one row in 25 for one-row calls, so 128 rows
+    are tried."""
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+    linear = kind(randn(out_features, in_features), randn(out_features) if has_bias else None)
+    xs = randn(4, EXACT_ROWS, in_features)
+    fulls = [linear(x) for x in xs]
+    for min_rows in (1, 2, 4, 8, 16):
+        linear.min_rows = min_rows
+        if all(_rows_agree(linear, x, full) for x, full in zip(xs, fulls)):
+            return min_rows
+    return EXACT_ROWS
+
+
+def _rows_agree(linear: FrozenLinear, x: torch.Tensor, full: torch.Tensor) -> bool:
+    """Every shorter call (the first rows, and each row alone) gives its rows as `full` does."""
+    return (all(torch.equal(linear(x[:rows]), full[:rows]) for rows in range(1, EXACT_ROWS))
+            and all(torch.equal(linear(x[i:i + 1]), full[i:i + 1]) for i in range(1, EXACT_ROWS)))
 
 
 def freeze_linears(module: nn.Module) -> None:
