@@ -111,9 +111,9 @@ def test_a_kernel_that_rounds_by_row_count_gets_padded_calls(monkeypatch, rounds
     rows (another): it pads such blocks, or every call when short ones never come out right."""
     kernel, full = attention._attend_masked, attention.MAX_POSITIONED_ROWS
 
-    def rounds_by_row_count(q, k, v, mask):
+    def rounds_by_row_count(q, k, v, mask, split_keys=False):
         rows = q.shape[1]  # computed as in a full call, then off by a rounding where short
-        out = kernel(F.pad(q, (0, 0, 0, full - rows)), k, v, F.pad(mask, (0, 0, 0, full - rows)))[:, :rows]
+        out = kernel(F.pad(q, (0, 0, 0, full - rows)), k, v, F.pad(mask, (0, 0, 0, full - rows)), split_keys)[:, :rows]
         short = rows < full and (0 < rows % attention.KERNEL_BLOCK_ROWS < rounds_below or rows < rounds_below)
         return out + torch.finfo(out.dtype).eps if short else out
 
@@ -138,3 +138,35 @@ def test_a_sequence_that_overflowed_does_not_disturb_another():
     bad = torch.tensor([float("nan"), float("inf"), -float("inf")]).repeat(ctx)[:ctx, None, None].expand(ctx, HKV, DH)
     _run(list(range(len(table), 2 * len(table))), q, bad.bfloat16(), bad.bfloat16(), [1] * 4, torch.bfloat16, cache)
     assert torch.equal(_run(table, q, k, v, [1] * 4, torch.bfloat16, cache), clean)
+
+
+@pytest.fixture
+def odd_thread_count():
+    """Three threads: HKV = 2 heads then do not share out evenly, so long calls split their keys."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attending_key_halves_equals_one_call(dtype, odd_thread_count):
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(HKV, 12, DH, generator=gen).to(dtype)
+    k, v = (torch.randn(HKV, 4 * WINDOW, DH, generator=gen).to(dtype) for _ in range(2))
+    last_key = torch.randint(2 * WINDOW, 4 * WINDOW, (12, 1), generator=gen)  # causal, past the middle
+    mask = torch.zeros(12, 4 * WINDOW, dtype=dtype).masked_fill(torch.arange(4 * WINDOW) > last_key, float("-inf"))
+    split = attention._attend_masked(q, k, v, mask, split_keys=True)
+    scores = (q.double() @ k.double().transpose(1, 2)) * DH ** -0.5 + mask.double()
+    reference = scores.softmax(dim=-1) @ v.double()
+    tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(split.double(), reference, **tol)
+
+
+@pytest.mark.parametrize("layout", ["consecutive", "scattered"])
+def test_verify_rows_equal_plain_decoding_where_keys_split(layout, row_policy, odd_thread_count):
+    q, k, v = _inputs(LONG, torch.bfloat16, seed=13)
+    table = _tables(LONG)[layout]
+    decoded = _run(table, q, k, v, [1] * 16, torch.bfloat16)[-16:]
+    for steps in ([1] * 10 + [6], [16], [8, 8]):
+        assert torch.equal(_run(table, q, k, v, steps, torch.bfloat16)[-16:], decoded), steps
