@@ -132,13 +132,13 @@ class SdpaBackend:
                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh] -> [T, Hq, Dh]
         cache.write(layer, meta.slot_mapping, k, v)
-        k_all, v_all = cache.k[layer], cache.v[layer]  # [Hkv, slots, Dh]
+        k_all, v_all = cache.k_layers[layer], cache.v_layers[layer]  # [Hkv, slots, Dh]
         hkv, dh = k_all.shape[0], k_all.shape[2]
         group = q.shape[1] // hkv
         outs = []
         for span in meta.spans:
             n = span.q_len
-            rows = q[span.q_start:span.q_start + n]
+            rows = q if len(meta.spans) == 1 else q[span.q_start:span.q_start + n]
             if n <= MAX_POSITIONED_TOKENS and group <= MAX_POSITIONED_ROWS:
                 outs.append(_attend_positioned(rows, k_all, v_all, span))
                 continue
@@ -203,7 +203,7 @@ def _attend_positioned(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor
     while i < n:  # the rows of one window at a time (a verify step may cross into the next)
         end = (first + i) - (first + i) % WINDOW + WINDOW
         j = min(n, end - first, i + per_call)
-        outs.append(_attend_window_rows(q[i:j], k_all, v_all, span, end, first + i))
+        outs.append(_attend_window_rows(q if j - i == n else q[i:j], k_all, v_all, span, end, first + i))
         i = j
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -409,7 +409,7 @@ class FlashAttnBackend:
             for r, i in enumerate(rows):
                 table[r, :len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i], dtype=torch.int32)
             lens = torch.tensor([s.ctx_len for s in spans], dtype=torch.int32, device=q.device)
-            out = self._kernel(qb, cache.k[layer], cache.v[layer], cache_seqlens=lens, block_table=table, causal=True)
+            out = self._kernel(qb, cache.k_layers[layer], cache.v_layers[layer], cache_seqlens=lens, block_table=table, causal=True)
             for r, s in enumerate(spans):
                 result[s.q_start:s.q_start + q_len] = out[r]
         return result

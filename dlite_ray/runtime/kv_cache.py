@@ -29,6 +29,8 @@ class PagedKVCache:
             shape = (layers, hkv, num_blocks * block_size, dh)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One view per layer, made once: indexing self.k[layer] is an operation per call.
+        self.k_layers, self.v_layers = self.k.unbind(0), self.v.unbind(0)
 
     @property
     def num_slots(self) -> int:
@@ -42,11 +44,11 @@ class PagedKVCache:
         # poison another's attention (its own output is garbage either way).
         k, v = _finite(k), _finite(v)
         if self.block_major:
-            self.k[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
-            self.v[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
+            self.k_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
+            self.v_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
         else:
-            self.k[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
-            self.v[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
+            self.k_layers[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
+            self.v_layers[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a shared block)."""
