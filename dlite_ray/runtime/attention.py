@@ -220,8 +220,11 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     num_rows = reads.mask.shape[0]  # the real rows, or padded (see _kernel_rows)
     if num_rows > real:
         rows = F.pad(rows, (0, 0, 0, num_rows - real))
-    split_keys = q.device.type == "cpu" and _kernel_plan(q.dtype, dh, group).split_keys
-    out = _attend_masked(rows, *_read(k_all, v_all, reads.keys), reads.mask, split_keys)
+    k, v = _read(k_all, v_all, reads.keys)
+    if q.device.type == "cpu" and _kernel_plan(q.dtype, dh, group).split_keys and _worth_splitting(hkv, end):
+        out = _attend_key_halves(rows, k, v, reads.mask)
+    else:
+        out = _attend_masked(rows, k, v, reads.mask)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
 
 
@@ -230,8 +233,8 @@ def _kernel_rows(real: int, group: int, q: torch.Tensor) -> int:
     ones, padded only as far as the CPU kernel needs to compute every row as it would in a
     full MAX_POSITIONED_ROWS call (measured once, `_smallest_exact_tail`), else always
     MAX_POSITIONED_ROWS, so that a decode step and a verify step run the same arithmetic
-    either way. A decode call has 3 real rows of 48 for SmolLM2: it costs ~5x less at 4
-    rows than at 48 (240 -> 50 us a layer at 300 tokens of context)."""
+    either way. A decode call has 3 real rows of 48 for SmolLM2: it costs ~4x less at 4
+    rows than at 48 (240 -> 58 us a layer at 300 tokens of context)."""
     tail = _kernel_plan(q.dtype, q.shape[-1], group).tail if q.device.type == "cpu" else None
     return MAX_POSITIONED_ROWS if tail is None else _padded(real, tail)
 
@@ -241,17 +244,17 @@ class KernelPlan:
     """How position-exact calls use the CPU kernel, as measured for a dtype and head shape."""
 
     tail: int | None  # fewest rows in a call's last 32-row block; None: always MAX_POSITIONED_ROWS
-    split_keys: bool  # long calls attend their key halves as a batch of two (`_attend_key_halves`)
+    split_keys: bool  # long calls may attend their key halves as a batch of two (`_attend_key_halves`)
 
 
 @functools.cache
 def _kernel_plan(dtype: torch.dtype, head_dim: int, group: int) -> KernelPlan:
-    """Splitting the keys is used only where it leaves rows as exact as not splitting: with
-    every call padded to the full count there is nothing to check (same shapes, rows
-    independent); with short calls, they must still agree (bf16 on the EPYC: yes; float32
-    there: no, so float32 calls are not split)."""
+    """`tail`: the padding short calls need (`_smallest_exact_tail`). `split_keys`: whether
+    splitting the keys leaves rows as exact as one call: with every call padded to the
+    full count there is nothing to check (same shapes, rows independent); with short calls
+    the split path itself is measured (bf16 and float32 on the EPYC: yes)."""
     tail = _smallest_exact_tail(dtype, head_dim, group)
-    split = tail is None or _rows_computed_alone(dtype, head_dim, group, tail, split_keys=True)
+    split = tail is None or _short_calls_match_full(dtype, head_dim, group, tail, split_keys=True)
     return KernelPlan(tail, split)
 
 
@@ -275,26 +278,30 @@ def _smallest_exact_tail(dtype: torch.dtype, head_dim: int, group: int) -> int |
     shape); None if no padding short of the full count does it. A rounding difference shows
     only for some inputs: with no padding, this finds it within the first 45 key counts."""
     for tail in (1, 2, 4, 8, 16):
-        if _rows_computed_alone(dtype, head_dim, group, tail, split_keys=False):
+        if _short_calls_match_full(dtype, head_dim, group, tail, split_keys=False):
             return tail
     return None
 
 
-def _rows_computed_alone(dtype: torch.dtype, head_dim: int, group: int, tail: int, split_keys: bool) -> bool:
+def _short_calls_match_full(dtype: torch.dtype, head_dim: int, group: int, tail: int, split_keys: bool) -> bool:
+    """Whether calls of every row count a step may make, padded to `tail`, give each row the
+    bits a full MAX_POSITIONED_ROWS call gives it: through one kernel call, or through the
+    key halves (then over the key counts such calls have, rows seeing keys past the middle
+    as real rows do)."""
+    attend = _attend_key_halves if split_keys else _attend_masked
     gen = torch.Generator().manual_seed(0)
     counts = sorted({_padded(group * m, tail) for m in range(1, MAX_POSITIONED_ROWS // group + 1)})
     key_counts = (*range(1, 4 * WINDOW + 76, 13), 5 * WINDOW + 7, 8 * WINDOW + 1, 12 * WINDOW + 28)
-    if split_keys:  # the counts a split call sees: whole windows from SPLIT_KEYS on
-        key_counts = (*range(SPLIT_KEYS, 6 * WINDOW + 1, WINDOW), 8 * WINDOW, 12 * WINDOW, 12 * WINDOW + 28)
+    if split_keys:  # whole windows from SPLIT_KEYS on
+        key_counts = (*range(SPLIT_KEYS, 6 * WINDOW + 1, WINDOW), 8 * WINDOW, 12 * WINDOW, 16 * WINDOW)
     for num_keys in key_counts:
         q = torch.randn(3, MAX_POSITIONED_ROWS, head_dim, generator=gen).to(dtype)
         k, v = (torch.randn(3, num_keys, head_dim, generator=gen).to(dtype) for _ in range(2))
-        # rows see keys up to a random one (past the middle where keys split, as real rows do)
         last_key = torch.randint(num_keys // 2 if split_keys else 0, num_keys, (MAX_POSITIONED_ROWS, 1), generator=gen)
         mask = torch.zeros(MAX_POSITIONED_ROWS, num_keys, dtype=dtype)
         mask = mask.masked_fill(torch.arange(num_keys)[None, :] > last_key, float("-inf"))
-        full = _attend_masked(q, k, v, mask, split_keys)
-        if any(not torch.equal(_attend_masked(q[:, :r], k, v, mask[:r], split_keys), full[:, :r]) for r in counts):
+        full = attend(q, k, v, mask)
+        if any(not torch.equal(attend(q[:, :r], k, v, mask[:r]), full[:, :r]) for r in counts):
             return False
     return True
 
@@ -354,31 +361,33 @@ def _context_slots(span: SequenceSpan, device: torch.device) -> torch.Tensor:
 SPLIT_KEYS = 1024
 
 
-def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor,
-                   split_keys: bool = False) -> torch.Tensor:
+def _worth_splitting(num_heads: int, num_keys: int) -> bool:
+    """Whether a call's heads share out unevenly over the threads and its keys are many."""
+    return num_keys >= SPLIT_KEYS and num_keys % 2 == 0 and num_heads % torch.get_num_threads() != 0
+
+
+def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
     """q [H, R, Dh] over k, v [H, L, Dh] with an additive mask [R, L] -> [H, R, Dh]."""
     if q.device.type == "cpu":  # the fused kernel reads strided views
-        num_keys = k.shape[1]
-        if (not split_keys or num_keys < SPLIT_KEYS or num_keys % 2
-                or q.shape[0] % torch.get_num_threads() == 0):
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q[None], k[None], v[None], attn_mask=additive_mask)[0][0]
-        return _attend_key_halves(q, k, v, additive_mask)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q[None], k[None], v[None], attn_mask=additive_mask)[0][0]
     scores = (q.float() @ k.float().transpose(1, 2)) * q.shape[-1] ** -0.5 + additive_mask.float()
     return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
 
 
 def _attend_key_halves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
-    """`_attend_masked` in one kernel call over the two halves of the keys as a batch of 2.
-    Every row must see a key in each half: the kernel gives a row that sees none a
+    """`_attend_masked` on CPU in one kernel call over the two halves of the keys as a batch
+    of 2. Every row must see a key in each half: the kernel gives a row that sees none a
     log-sum-exp of 0, not -inf. Position-exact calls hold: their rows sit in the last
     window of their keys (past the middle from SPLIT_KEYS on), and padding rows see all."""
-    half = k.shape[1] // 2
+    rows, half = q.shape[1], k.shape[1] // 2
     k2, v2 = (t.unflatten(1, (2, half)).transpose(0, 1) for t in (k, v))  # [2, H, L/2, Dh] views
     mask2 = additive_mask.unflatten(1, (2, half)).transpose(0, 1)[:, None]  # [2, 1, R, L/2]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q.expand(2, *q.shape), k2, v2, attn_mask=mask2)[:2]
-    weights = lse.softmax(dim=0)[..., None]
+    # The weights' exp runs vectorised on whole vectors and scalar on a remainder, so the
+    # row count would decide which exp a row gets: at MAX_POSITIONED_ROWS it never does.
+    weights = F.pad(lse, (0, MAX_POSITIONED_ROWS - rows)).softmax(dim=0)[..., :rows, None]
     return (out.float() * weights).sum(dim=0).to(q.dtype)
 
 
