@@ -52,12 +52,14 @@ def test_gguf_file_loads_the_same_weights(ar_engine):
 
 def test_speculative_greedy_output_equals_plain_decoding_in_bf16(default_model_dir):
     """The shipped draft on the real target, in the dtype the benchmarks use: every reply
-    token for token what plain decoding gives. Fails where a kernel rounds a verify row
-    differently from a decode row (an AMD EPYC's one-row bf16 linear did, for 5 of 8 dev
-    prompts, until short calls were padded)."""
+    token for token what plain decoding gives, on short prompts and on an agent turn with
+    a long history (where attention splits its keys). Fails where a kernel rounds a verify
+    row differently from a decode row: an AMD EPYC's one-row bf16 linear did, for 5 of 8
+    dev prompts, until short calls were padded; a row-count-wide merge of split keys did,
+    for 8 of 16 agentic and long-context replies."""
     from dlite_ray.bench.workloads import load_workload
 
-    prompts = [item.payload for item in load_workload("dev", limit=4)]
+    prompts = [item.payload for item in load_workload("dev", limit=4) + load_workload("agentic", limit=2)]
     spec = DLiteEngine.from_pretrained(None, dtype="bfloat16")  # the default target and its shipped draft
     plain = DLiteEngine.from_pretrained(default_model_dir, draft=None, dtype="bfloat16")
     assert spec.draft is not None
