@@ -94,7 +94,7 @@ def fewest_exact_rows(kind: type[FrozenLinear], out_features: int, in_features: 
     gen = torch.Generator(device=device).manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device).to(dtype)
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
     linear = kind(randn(out_features, in_features), randn(out_features) if has_bias else None)
     xs = randn(4, EXACT_ROWS, in_features)

@@ -54,15 +54,15 @@ class Rotary(nn.Module):
         carries rotate-half's sign (-sin on the first half), so `apply_rotary` swaps halves
         instead of negating one: one small operation fewer per call, the same bits."""
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
-        sin = torch.cat([-freqs.sin(), freqs.sin()], dim=-1)[..., None, :]
-        return emb.cos().to(dtype), sin.to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos, signed_sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+        return cos[..., None, :].to(dtype), signed_sin[..., None, :].to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x [..., H, Dh] rotated with `Rotary.cos_sin`'s cos and signed sin."""
     swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
-    return x * cos + swapped * sin
+    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -109,8 +109,8 @@ class Attention(nn.Module):
         """q [..., Hq, Dh], k and v [..., Hkv, Dh], q and k rotated."""
         hq, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is not None and self.q_norm is None:
-            # Frozen, q and k sit side by side in one output: one rotation for both heads'
-            # kinds halves the small operations it costs a decode step.
+            # Frozen, q and k sit side by side in one output: rotating the q and k heads in
+            # one go halves the small operations rotation costs a decode step.
             qkv = self.qkv(x)
             qk = apply_rotary(qkv[..., :(hq + hkv) * dh].unflatten(-1, (hq + hkv, dh)), cos, sin)
             return qk[..., :hq, :], qk[..., hq:, :], qkv[..., (hq + hkv) * dh:].unflatten(-1, (hkv, dh))
