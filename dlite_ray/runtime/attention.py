@@ -40,6 +40,7 @@ class WindowReads:
 
     keys: slice | torch.Tensor  # positions [0, end): a view's slots, or the slots to gather (padded)
     mask: torch.Tensor  # [rows, end] additive: -inf after each row's position; rows: the call's, padding included
+    split_keys: bool = False  # attend the two key halves as a batch of two (`_attend_key_halves`)
 
 
 @dataclass(slots=True)
@@ -220,11 +221,8 @@ def _attend_window_rows(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tenso
     num_rows = reads.mask.shape[0]  # the real rows, or padded (see _kernel_rows)
     if num_rows > real:
         rows = F.pad(rows, (0, 0, 0, num_rows - real))
-    k, v = _read(k_all, v_all, reads.keys)
-    if q.device.type == "cpu" and _kernel_plan(q.dtype, dh, group).split_keys and _worth_splitting(hkv, end):
-        out = _attend_key_halves(rows, k, v, reads.mask)
-    else:
-        out = _attend_masked(rows, k, v, reads.mask)
+    attend = _attend_key_halves if reads.split_keys else _attend_masked
+    out = attend(rows, *_read(k_all, v_all, reads.keys), reads.mask)
     return out[:, :real].reshape(hkv, group, m, dh).permute(2, 0, 1, 3).reshape(m, hq, dh)
 
 
@@ -321,7 +319,9 @@ def _window_reads(span: SequenceSpan, num_slots: int, end: int, first: int, grou
             keys = torch.cat([slots, slots[-1:].expand(end - known)])  # padding, masked below
         mask = _causal_scores(0, end, first, m, group, q.dtype, q.device)
         mask = F.pad(mask, (0, 0, 0, _kernel_rows(group * m, group, q) - group * m))
-        span.window_reads[first] = WindowReads(keys, mask)
+        split = (q.device.type == "cpu" and _kernel_plan(q.dtype, q.shape[-1], group).split_keys
+                 and _worth_splitting(q.shape[1] // group, end))
+        span.window_reads[first] = WindowReads(keys, mask, split)
     return span.window_reads[first]
 
 

@@ -12,9 +12,9 @@ call's row count, up to EXACT_ROWS rows (a verify step at K = 7 for up to 4 requ
 Kernels differ: on an AMX Xeon a packed bf16 linear does for 1-32 rows; on an AMD EPYC
 (AVX-512 bf16) a one-row call takes another kernel for a 1536-wide input and rounds some
 rows differently, while every call of 2-48 rows agrees (there, unpacked float32 needs 16
-rows, packed float32 2). So each linear's shape is measured
-once (`fewest_exact_rows`) and calls with fewer rows are padded up to what agrees.
-tests/runtime/test_frozen_linear.py checks this.
+rows, packed float32 2). So each linear's shape is measured once (`fewest_exact_rows`) and
+calls with fewer rows are padded up to what agrees. tests/runtime/test_frozen_linear.py
+checks this.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ class PackedLinear(FrozenLinear):
 
     The packed copy sits next to the parameter (kept for state_dict and fingerprints), so
     packed weights take twice their memory (270 MB more for SmolLM2-135M in bf16, 540 MB in
-    float32). It is a
-    snapshot: changing the weights or moving the model after freezing is not supported."""
+    float32). It is a snapshot: changing the weights or moving the model after freezing is
+    not supported."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1):
         super().__init__(weight, bias, min_rows)
