@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.config import ModelConfig
 
 
@@ -42,13 +43,11 @@ class PagedKVCache:
         # end (a view over slots other sequences wrote), and a masked key counts for exactly
         # nothing only if it is finite. A request whose activations overflow thus cannot
         # poison another's attention (its own output is garbage either way).
-        k, v = _finite(k), _finite(v)
         if self.block_major:
-            self.k_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, k)
-            self.v_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, v)
+            self.k_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(k))
+            self.v_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(v))
         else:
-            self.k_layers[layer].index_copy_(1, slot_mapping, k.transpose(0, 1))
-            self.v_layers[layer].index_copy_(1, slot_mapping, v.transpose(0, 1))
+            fused_ops.write_kv(self.k_layers[layer], self.v_layers[layer], slot_mapping, k, v)
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a shared block)."""

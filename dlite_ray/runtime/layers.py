@@ -13,8 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear, freeze_linears
+from dlite_ray.runtime.fused_ops import apply_rotary
 
 # (q [..., Hq, Dh], k [..., Hkv, Dh], v [..., Hkv, Dh]) -> out [..., Hq, Dh]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,7 +40,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return fused_ops.rms_norm(x, self.weight, self.eps)
+
+    def after_residual(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of x + delta, x + delta) in one go."""
+        return fused_ops.add_rms_norm(delta, x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -57,12 +63,6 @@ class Rotary(nn.Module):
         cos, sin = freqs.cos(), freqs.sin()
         cos, signed_sin = torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
         return cos[..., None, :].to(dtype), signed_sin[..., None, :].to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [..., H, Dh] rotated with `Rotary.cos_sin`'s cos and signed sin."""
-    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
-    return x * cos + swapped * signed_sin
 
 
 class Attention(nn.Module):
@@ -111,9 +111,7 @@ class Attention(nn.Module):
         if self.qkv is not None and self.q_norm is None:
             # Frozen, q and k sit side by side in one output: rotating the q and k heads in
             # one go halves the small operations rotation costs a decode step.
-            qkv = self.qkv(x)
-            qk = apply_rotary(qkv[..., :(hq + hkv) * dh].unflatten(-1, (hq + hkv, dh)), cos, sin)
-            return qk[..., :hq, :], qk[..., hq:, :], qkv[..., (hq + hkv) * dh:].unflatten(-1, (hkv, dh))
+            return fused_ops.rotate_qkv(self.qkv(x), cos, sin, hq, hkv)
         q, k, v = self.project_qkv(x)
         q, k, v = q.unflatten(-1, (hq, dh)), k.unflatten(-1, (hkv, dh)), v.unflatten(-1, (hkv, dh))
         if self.q_norm is not None:
@@ -136,8 +134,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused_ops.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -149,5 +146,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: AttentionFn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.after_residual(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, attend))
+        return x + self.mlp(normed)

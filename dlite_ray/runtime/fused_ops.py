@@ -1,0 +1,124 @@
+"""The small operations around a decoder layer's linears and attention, fused on CPU.
+
+A decode step of a small model on CPU is mostly small operations: an eager RMSNorm is
+eight calls of ~2-5 us each, rotary six, a cache write six. `csrc/fused_ops.cpp` does each
+group in one call. It is compiled on first use by torch's extension loader (ninja and the
+system C++ compiler, ~25 s once per machine, cached under ~/.cache/torch_extensions); where
+that fails, or with DLITE_FUSED_OPS=0, the same operations run as eager PyTorch calls.
+
+The kernels serve inference only (no autograd): a call with gradients enabled, or off the
+CPU, takes the eager way. Both ways compute each row the same way whatever the row count,
+which exact speculative decoding needs, but they round differently from each other: the
+way is settled once per process, so decode and verify steps always share it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The compiled kernels, or None (switched off, or they would not build: logged once)."""
+    if os.environ.get("DLITE_FUSED_OPS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        log.info("loading the fused CPU kernels (compiled on first use, ~25 s)")
+        return load(f"dlite_fused_ops_{_cpu_tag()}", [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
+    except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
+        log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)
+        return None
+
+
+def _cpu_tag() -> str:
+    """Names the build after the CPU's instruction sets: it is compiled for this CPU
+    (-march=native), and a home directory may be shared by machines with other CPUs."""
+    cpuinfo = Path("/proc/cpuinfo")
+    text = cpuinfo.read_text() if cpuinfo.exists() else platform.processor()
+    flags = [line for line in text.splitlines() if line.startswith("flags")][:1] or [text]
+    return hashlib.sha1(flags[0].encode()).hexdigest()[:10]
+
+
+def _fused(x: torch.Tensor) -> ModuleType | None:
+    if x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    return kernels()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = _fused(x)
+    if k is None:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return k.rms_norm(_rows(x), weight, eps).view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x): a residual add and the norm that follows it."""
+    k = _fused(x)
+    if k is None:
+        summed = residual + x
+        return F.rms_norm(summed, (x.shape[-1],), weight, eps), summed
+    normed, summed = k.add_rms_norm(_rows(x), _rows(residual), weight, eps)
+    return normed.view(x.shape), summed.view(x.shape)
+
+
+def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
+               num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A fused projection's output [..., (Hq + 2 Hkv) * Dh] -> q [..., Hq, Dh] and k
+    [..., Hkv, Dh] rotated (`layers.apply_rotary`), v [..., Hkv, Dh]."""
+    dh = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    k = _fused(qkv)
+    if k is None or qkv.dim() != 2 or cos.shape[0] != qkv.shape[0]:  # the target's ragged rows only
+        qk = apply_rotary(qkv[..., :(num_heads + num_kv_heads) * dh].unflatten(-1, (-1, dh)), cos, signed_sin)
+        v = qkv[..., (num_heads + num_kv_heads) * dh:].unflatten(-1, (num_kv_heads, dh))
+        return qk[..., :num_heads, :], qk[..., num_heads:, :], v
+    rows = qkv.shape[0]
+    return k.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh), num_heads, num_kv_heads)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., H, Dh] rotated with `Rotary.cos_sin`'s cos and signed sine (eager)."""
+    swapped = x.unflatten(-1, (2, x.shape[-1] // 2)).flip(-2).flatten(-2)
+    return x * cos + swapped * signed_sin
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] -> silu(gate) * up [..., I]."""
+    k = _fused(gate_up)
+    if k is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return k.silu_mul(_rows(gate_up)).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+             ) -> None:
+    """k, v [T, Hkv, Dh] into one layer of a head-major cache [Hkv, slots, Dh] at `slots`,
+    non-finite values as 0 (why: `PagedKVCache.write`)."""
+    kernel = _fused(k)
+    if kernel is None or not k_cache.is_contiguous():
+        for cache, x in ((k_cache, k), (v_cache, v)):
+            cache.index_copy_(1, slots, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).transpose(0, 1))
+        return
+    kernel.write_kv(k_cache, v_cache, slots, k.contiguous(), v.contiguous())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous [rows, last dim] (a view when it already is contiguous)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()

@@ -1,0 +1,136 @@
+"""Fused CPU kernels: each computes what its eager operations compute, gives a row the same
+bits whatever the call's row count (what exact speculative decoding needs), and serves the
+target's inference forward, never a forward that trains."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dlite_ray.runtime import fused_ops
+from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.layers import DecoderLayer, Rotary
+
+DTYPES = [torch.bfloat16, torch.float32]
+HQ, HKV, DH = 9, 3, 64
+
+
+def test_kernels_build_on_this_machine():
+    # The project's own machines have a C++ compiler and ninja: a broken build must show
+    # here, not only as a slower decode step.
+    assert fused_ops.kernels() is not None
+
+
+@pytest.fixture
+def kernels():
+    k = fused_ops.kernels()
+    if k is None:
+        pytest.skip("fused kernels unavailable")
+    return k
+
+
+def _inputs(dtype: torch.dtype, rows: int = 32, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    cos, sin = Rotary(DH, 10000.0).cos_sin(torch.randint(0, 4000, (rows,), generator=gen), dtype)
+    return {"x": randn(rows, 576), "residual": randn(rows, 576), "w": randn(576), "gate_up": randn(rows, 3072),
+            "qkv": randn(rows, (HQ + 2 * HKV) * DH), "cos": cos, "sin": sin}
+
+
+def _each_op(kernels, t: dict[str, torch.Tensor], rows: slice) -> list[torch.Tensor]:
+    r = {name: (v if name == "w" else v[rows]) for name, v in t.items()}
+    return [kernels.rms_norm(r["x"], r["w"], 1e-5), *kernels.add_rms_norm(r["x"], r["residual"], r["w"], 1e-5),
+            kernels.silu_mul(r["gate_up"]),
+            *kernels.rotate_qkv(r["qkv"], r["cos"].flatten(1), r["sin"].flatten(1), HQ, HKV)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_compute_what_the_eager_operations_compute(kernels, dtype):
+    t = _inputs(dtype)
+    normed, (added_normed, added), silu, (q, k, v) = (
+        kernels.rms_norm(t["x"], t["w"], 1e-5), kernels.add_rms_norm(t["x"], t["residual"], t["w"], 1e-5),
+        kernels.silu_mul(t["gate_up"]),
+        kernels.rotate_qkv(t["qkv"], t["cos"].flatten(1), t["sin"].flatten(1), HQ, HKV))
+    summed = t["residual"] + t["x"]
+    torch.testing.assert_close(normed, F.rms_norm(t["x"], (576,), t["w"], 1e-5))
+    torch.testing.assert_close(added_normed, F.rms_norm(summed, (576,), t["w"], 1e-5))
+    assert torch.equal(added, summed)
+    gate, up = t["gate_up"].chunk(2, dim=-1)
+    assert torch.equal(silu, F.silu(gate) * up)  # ATen's own silu and multiply
+    heads = t["qkv"].unflatten(-1, (HQ + 2 * HKV, DH))
+    rotated = fused_ops.apply_rotary(heads[:, :HQ + HKV], t["cos"], t["sin"])
+    torch.testing.assert_close(q, rotated[:, :HQ])
+    torch.testing.assert_close(k, rotated[:, HQ:])
+    assert torch.equal(v, heads[:, HQ + HKV:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_row_gets_the_same_bits_whatever_the_row_count(kernels, dtype, seed):
+    t = _inputs(dtype, seed=seed)
+    full = _each_op(kernels, t, slice(None))
+    for rows in (slice(0, 1), slice(0, 2), slice(0, 3), slice(0, 8), slice(5, 6), slice(7, 31)):
+        for got, want in zip(_each_op(kernels, t, rows), full, strict=True):
+            assert torch.equal(got, want[rows])
+
+
+def test_write_kv_writes_the_slots_finite_and_nothing_else(kernels):
+    k_cache, v_cache = torch.full((HKV, 64, DH), 7.0), torch.full((HKV, 64, DH), 7.0)
+    k, v = torch.randn(3, HKV, DH), torch.randn(3, HKV, DH)
+    k[1, 2, 5], v[0, 0, 0], v[2, 1, 3] = float("nan"), float("inf"), -float("inf")
+    slots = torch.tensor([40, 3, 17])
+    kernels.write_kv(k_cache, v_cache, slots, k, v)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        assert torch.equal(cache[:, slots].transpose(0, 1), torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0))
+        untouched = torch.ones(64, dtype=torch.bool)
+        untouched[slots] = False
+        assert (cache[:, untouched] == 7.0).all()
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.write_kv(k_cache, v_cache, torch.tensor([64]), k[:1], v[:1])
+
+
+def _layer() -> DecoderLayer:
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=576, intermediate_size=1536, num_layers=1,
+                      num_heads=HQ, num_kv_heads=HKV, head_dim=DH, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=4096, tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    torch.manual_seed(0)
+    layer = DecoderLayer(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    return layer
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    k, v = (t.repeat_interleave(HQ // HKV, dim=1).transpose(0, 1) for t in (k, v))
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True).transpose(0, 1)
+
+
+class _Recorder:
+    """The kernel module, noting which kernels a forward calls."""
+
+    def __init__(self, real):
+        self.real, self.called = real, set()
+
+    def __getattr__(self, name):
+        self.called.add(name)
+        return getattr(self.real, name)
+
+
+def test_inference_uses_the_kernels_and_training_does_not(kernels, monkeypatch):
+    layer = _layer()
+    x = torch.randn(5, 576)
+    cos, sin = Rotary(DH, 10000.0).cos_sin(torch.arange(5), x.dtype)
+    recorder = _Recorder(kernels)
+    monkeypatch.setattr(fused_ops, "kernels", lambda: recorder)
+    trained = layer(x, cos, sin, _attend)
+    assert trained.requires_grad and not recorder.called
+    layer.self_attn.freeze()
+    layer.mlp.freeze()
+    with torch.inference_mode():
+        fused = layer(x, cos, sin, _attend)
+    assert recorder.called == {"rms_norm", "add_rms_norm", "rotate_qkv", "silu_mul"}
+    torch.testing.assert_close(fused, trained.detach(), rtol=2e-4, atol=2e-4)
