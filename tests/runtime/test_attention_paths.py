@@ -18,7 +18,7 @@ from dlite_ray.runtime.kv_cache import PagedKVCache
 
 BS, HKV, GROUP, DH = 4, 2, 3, 8
 NUM_BLOCKS = 512
-LONG = 5 * WINDOW + 7  # a long context and, in the last 16 steps, a window crossing
+LONG = 20 * WINDOW + 7  # past SPLIT_KEYS and, in the last 16 steps, a window crossing
 
 
 def _tables(ctx: int) -> dict[str, list[int]]:
