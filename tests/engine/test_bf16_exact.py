@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention import WINDOW
 from dlite_ray.runtime.frozen_linear import can_pack
 from dlite_ray.runtime.loading import load_target
@@ -40,6 +41,17 @@ def test_random_draft_mostly_rejected(bf16_target, tiny_target_dir, plain):
     draft = random_draft(bf16_target, read_config(tiny_target_dir)).to(torch.bfloat16)
     spec = make_engine(bf16_target, draft, num_draft_tokens=5, enable_prefix_cache=False)
     for prompt, expected in zip(PROMPTS, plain, strict=True):
+        assert spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids == expected
+
+
+def test_exact_with_the_small_operations_eager(bf16_target, tiny_target_dir, monkeypatch):
+    """Where the fused kernels do not build, the eager operations keep a row's bits too."""
+    monkeypatch.setattr(fused_ops, "_fused", lambda x: None)
+    ar = make_engine(bf16_target, enable_prefix_cache=False)
+    draft = random_draft(bf16_target, read_config(tiny_target_dir)).to(torch.bfloat16)
+    spec = make_engine(bf16_target, draft, num_draft_tokens=5, enable_prefix_cache=False)
+    for prompt in PROMPTS:
+        expected = ar.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids
         assert spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids == expected
 
 
