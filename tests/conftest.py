@@ -11,15 +11,15 @@ import torch
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def tiny_hf_config(arch: str, vocab: int = 128, layers: int = 4) -> dict:
+def tiny_hf_config(arch: str, vocab: int = 128, layers: int = 4, head_dim: int | None = None) -> dict:
     cfg = {
         "model_type": arch, "vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
         "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": arch in ("qwen2", "qwen3"), "bos_token_id": 1, "eos_token_id": 2,
     }
-    if arch == "qwen3":
-        cfg["head_dim"] = 16
+    if arch == "qwen3" or head_dim:
+        cfg["head_dim"] = head_dim or 16
     if arch == "mistral":
         cfg["sliding_window"] = None
     return cfg

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "decode_attention.cpp")]
 
 
 @functools.cache
@@ -39,7 +39,8 @@ def kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         log.info("loading the fused CPU kernels (compiled on first use, ~25 s)")
-        return load(f"dlite_fused_ops_{_cpu_tag()}", [str(SOURCE)], extra_cflags=["-O3", "-march=native"])
+        return load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"])
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
         log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)
         return None
@@ -117,6 +118,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
             cache.index_copy_(1, slots, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).transpose(0, 1))
         return
     kernel.write_kv(k_cache, v_cache, slots, k.contiguous(), v.contiguous())
+
+
+def attends_decode_rows(q: torch.Tensor) -> bool:
+    """Whether `decode_attention` serves these query rows [T, Hq, Dh]: bf16 with a head dim
+    of 64, in inference, on a CPU with AVX-512 BF16 (else the CPU flash kernel does)."""
+    k = _fused(q)
+    return k is not None and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and k.decode_attention_available()
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     first: int) -> torch.Tensor:
+    """q [T, Hq, Dh] at positions first .. first + T - 1, attending causally the keys and values
+    of positions [0, first + T) at `slots` of one layer's head-major cache [Hkv, S, Dh]; each row
+    computed as it would be alone (csrc/decode_attention.cpp). Only where `attends_decode_rows`."""
+    return kernels().decode_attention(q.contiguous(), k_cache, v_cache, slots, first)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

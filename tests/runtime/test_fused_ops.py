@@ -134,3 +134,63 @@ def test_inference_uses_the_kernels_and_training_does_not(kernels, monkeypatch):
         fused = layer(x, cos, sin, _attend)
     assert recorder.called == {"rms_norm", "add_rms_norm", "rotate_qkv", "silu_mul"}
     torch.testing.assert_close(fused, trained.detach(), rtol=2e-4, atol=2e-4)
+
+
+@pytest.fixture
+def decode_kernel(kernels):
+    if not kernels.decode_attention_available():
+        pytest.skip("built without AVX-512 BF16")
+    return kernels.decode_attention
+
+
+def _decode_inputs(first: int, rows: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = (3 * torch.randn(rows, HQ, DH, generator=gen)).bfloat16()  # peaked softmax
+    k_cache, v_cache = (torch.randn(HKV, 6000, DH, generator=gen).bfloat16() for _ in range(2))
+    return q, k_cache, v_cache, torch.randperm(6000, generator=gen)
+
+
+def _causal_reference(q, k_cache, v_cache, slots, first):
+    k, v = (c[:, slots[:first + len(q)]].double() for c in (k_cache, v_cache))
+    outs = []
+    for i, row in enumerate(q.double().view(len(q), HKV, HQ // HKV, DH)):
+        scores = torch.einsum("hgd,hkd->hgk", row, k[:, :first + i + 1]) * DH ** -0.5
+        outs.append(torch.einsum("hgk,hkd->hgd", scores.softmax(-1), v[:, :first + i + 1]).reshape(HQ, DH))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize(("first", "rows"), [(0, 1), (5, 3), (15, 2), (255, 2), (300, 8), (1020, 16), (4090, 8)])
+def test_decode_attention_is_causal_attention(decode_kernel, first, rows):
+    q, k_cache, v_cache, slots = _decode_inputs(first, rows)
+    got = decode_kernel(q, k_cache, v_cache, slots, first)
+    torch.testing.assert_close(got.double(), _causal_reference(q, k_cache, v_cache, slots, first),
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(decode_kernel):
+    """Whatever the row count, the threads or where the slots lie: what makes a verify step
+    equal plain decoding (and a sequence's output independent of its block layout)."""
+    first = 1500
+    q, k_cache, v_cache, slots = _decode_inputs(first, 16)
+    full = decode_kernel(q, k_cache, v_cache, slots, first)
+    for i in range(16):
+        assert torch.equal(decode_kernel(q[i:i + 1], k_cache, v_cache, slots, first + i), full[i:i + 1])
+    assert torch.equal(decode_kernel(q[3:11], k_cache, v_cache, slots, first + 3), full[3:11])
+    moved_k, moved_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    elsewhere = torch.arange(6000).flip(0)  # the same context, other slots
+    moved_k[:, elsewhere], moved_v[:, elsewhere] = k_cache[:, slots], v_cache[:, slots]
+    assert torch.equal(decode_kernel(q, moved_k, moved_v, elsewhere, first), full)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(decode_kernel(q, k_cache, v_cache, slots, first), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_attention_rejects_slots_outside_the_cache(decode_kernel):
+    q, k_cache, v_cache, slots = _decode_inputs(10, 2)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_kernel(q, k_cache, v_cache, torch.full((12,), 6000), 10)
+    with pytest.raises(RuntimeError, match="cover positions"):
+        decode_kernel(q, k_cache, v_cache, slots[:11], 10)

@@ -147,10 +147,13 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 
 }  // namespace
 
+void register_decode_attention(pybind11::module& m);  // decode_attention.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rotate_qkv", &rotate_qkv);
   m.def("silu_mul", &silu_mul);
   m.def("write_kv", &write_kv);
+  register_decode_attention(m);
 }
