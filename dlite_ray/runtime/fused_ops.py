@@ -1,10 +1,12 @@
-"""The small operations around a decoder layer's linears and attention, fused on CPU.
+"""CPU kernels of our own for a decoder layer's small operations and its decode attention.
 
 A decode step of a small model on CPU is mostly small operations: an eager RMSNorm is
 eight calls of ~2-5 us each, rotary six, a cache write six. `csrc/fused_ops.cpp` does each
-group in one call. It is compiled on first use by torch's extension loader (ninja and the
-system C++ compiler, ~25 s once per machine, cached under ~/.cache/torch_extensions); where
-that fails, or with DLITE_FUSED_OPS=0, the same operations run as eager PyTorch calls.
+group in one call; `csrc/decode_attention.cpp` attends a step's few new rows over the paged
+cache (bf16, AVX-512 BF16). They are compiled by torch's extension loader (ninja and the
+system C++ compiler, ~30 s once per machine, cached under ~/.cache/torch_extensions) when
+a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
+run as eager PyTorch calls and attention through the CPU flash kernel.
 
 The kernels serve inference only (no autograd): a call with gradients enabled, or off the
 CPU, takes the eager way. Both ways compute each row the same way whatever the row count,
@@ -38,7 +40,7 @@ def kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("loading the fused CPU kernels (compiled on first use, ~25 s)")
+        log.info("loading the fused CPU kernels (compiled once per machine, ~30 s)")
         return load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES],
                     extra_cflags=["-O3", "-march=native", "-fopenmp"])
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
@@ -63,7 +65,7 @@ def _fused(x: torch.Tensor) -> ModuleType | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     k = _fused(x)
-    if k is None:
+    if k is None or weight.dtype != x.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return k.rms_norm(_rows(x), weight, eps).view(x.shape)
 
@@ -72,7 +74,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): a residual add and the norm that follows it."""
     k = _fused(x)
-    if k is None:
+    if k is None or weight.dtype != x.dtype:
         summed = residual + x
         return F.rms_norm(summed, (x.shape[-1],), weight, eps), summed
     normed, summed = k.add_rms_norm(_rows(x), _rows(residual), weight, eps)

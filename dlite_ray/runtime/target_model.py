@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention import AttentionMetadata, FlashAttnBackend, SdpaBackend
 from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.frozen_linear import freeze_linears
@@ -74,6 +75,8 @@ class TargetModel(nn.Module):
             layer.self_attn.freeze()
             layer.mlp.freeze()
         freeze_linears(self.lm_head)
+        if self.embed_tokens.weight.device.type == "cpu":
+            fused_ops.kernels()  # compiled (first time on a machine) at load, not in the first request
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights: features are only valid for the weights that made them."""
