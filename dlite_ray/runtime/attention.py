@@ -283,7 +283,7 @@ def _padded(real: int, tail: int) -> int:
 def _smallest_exact_tail(dtype: torch.dtype, head_dim: int, group: int) -> int | None:
     """The fewest rows the kernel's last block may hold for every row to come out with the
     same bits as in a full MAX_POSITIONED_ROWS call, whatever the call's row count (random
-    inputs, masked, 88 key counts up to 12 windows; ~0.1-0.5 s a try, once per process and
+    inputs, masked, 88 key counts up to 3100; ~0.1-0.5 s a try, once per process and
     shape); None if no padding short of the full count does it. A rounding difference shows
     only for some inputs: with no padding, this finds it within the first 45 key counts."""
     for tail in (1, 2, 4, 8, 16):

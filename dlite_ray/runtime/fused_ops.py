@@ -42,7 +42,7 @@ def kernels() -> ModuleType | None:
 
         log.info("loading the fused CPU kernels (compiled once per machine, ~30 s)")
         return load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"])
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
         log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)
         return None
@@ -64,35 +64,35 @@ def _fused(x: torch.Tensor) -> ModuleType | None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    k = _fused(x)
-    if k is None or weight.dtype != x.dtype:
+    ops = _fused(x)
+    if ops is None or weight.dtype != x.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    return k.rms_norm(_rows(x), weight, eps).view(x.shape)
+    return ops.rms_norm(_rows(x), weight, eps).view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x), residual + x): a residual add and the norm that follows it."""
-    k = _fused(x)
-    if k is None or weight.dtype != x.dtype:
+    ops = _fused(x)
+    if ops is None or weight.dtype != x.dtype:
         summed = residual + x
         return F.rms_norm(summed, (x.shape[-1],), weight, eps), summed
-    normed, summed = k.add_rms_norm(_rows(x), _rows(residual), weight, eps)
+    normed, summed = ops.add_rms_norm(_rows(x), _rows(residual), weight, eps)
     return normed.view(x.shape), summed.view(x.shape)
 
 
 def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
                num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection's output [..., (Hq + 2 Hkv) * Dh] -> q [..., Hq, Dh] and k
-    [..., Hkv, Dh] rotated (`layers.apply_rotary`), v [..., Hkv, Dh]."""
+    [..., Hkv, Dh] rotated (`apply_rotary`), v [..., Hkv, Dh]."""
     dh = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
-    k = _fused(qkv)
-    if k is None or qkv.dim() != 2 or cos.shape[0] != qkv.shape[0]:  # the target's ragged rows only
+    ops = _fused(qkv)
+    if ops is None or qkv.dim() != 2 or cos.shape[0] != qkv.shape[0]:  # fused: the target's ragged rows
         qk = apply_rotary(qkv[..., :(num_heads + num_kv_heads) * dh].unflatten(-1, (-1, dh)), cos, signed_sin)
         v = qkv[..., (num_heads + num_kv_heads) * dh:].unflatten(-1, (num_kv_heads, dh))
         return qk[..., :num_heads, :], qk[..., num_heads:, :], v
     rows = qkv.shape[0]
-    return k.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh), num_heads, num_kv_heads)
+    return ops.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh), num_heads, num_kv_heads)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -103,30 +103,30 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> silu(gate) * up [..., I]."""
-    k = _fused(gate_up)
-    if k is None:
+    ops = _fused(gate_up)
+    if ops is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return k.silu_mul(_rows(gate_up)).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    return ops.silu_mul(_rows(gate_up)).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
              ) -> None:
     """k, v [T, Hkv, Dh] into one layer of a head-major cache [Hkv, slots, Dh] at `slots`,
     non-finite values as 0 (why: `PagedKVCache.write`)."""
-    kernel = _fused(k)
-    if kernel is None or not k_cache.is_contiguous():
+    ops = _fused(k)
+    if ops is None or not k_cache.is_contiguous():
         for cache, x in ((k_cache, k), (v_cache, v)):
             cache.index_copy_(1, slots, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).transpose(0, 1))
         return
-    kernel.write_kv(k_cache, v_cache, slots, k.contiguous(), v.contiguous())
+    ops.write_kv(k_cache, v_cache, slots, k.contiguous(), v.contiguous())
 
 
 def attends_decode_rows(q: torch.Tensor) -> bool:
     """Whether `decode_attention` serves these query rows [T, Hq, Dh]: bf16 with a head dim
     of 64, in inference, on a CPU with AVX-512 BF16 (else the CPU flash kernel does)."""
-    k = _fused(q)
-    return k is not None and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and k.decode_attention_available()
+    ops = _fused(q)
+    return ops is not None and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ops.decode_attention_available()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

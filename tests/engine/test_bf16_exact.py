@@ -21,8 +21,9 @@ from tests.engine.conftest import make_engine, random_draft
 pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
                                 reason="row-exact bf16 linears need oneDNN packing")
 
-# Long enough that decoding crosses a window boundary of the positioned attention.
-PROMPTS = [[random.Random(40 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((9, 60, WINDOW - 20))]
+# Long enough that decoding crosses a window boundary of the positioned attention (every
+# WINDOW positions) and a chunk boundary of our decode kernel (every 256).
+PROMPTS = [[random.Random(40 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((9, WINDOW - 20, 236))]
 NEW = 40
 
 

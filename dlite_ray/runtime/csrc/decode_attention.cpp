@@ -1,6 +1,6 @@
 // Decode and verify attention on CPU with AVX-512 BF16: the few new rows of one sequence
 // against its paged context, for bf16 and a head dim of 64 (see attention.py,
-// `_attend_decode_rows`). The CPU flash kernel packs every key and value block for its
+// `SdpaBackend.attend`). The CPU flash kernel packs every key and value block for its
 // matrix routine on every call, which for a handful of rows costs more than the arithmetic;
 // here the keys are read where they lie, through their slots, and dotted with the query rows
 // by the bf16 dot-product instruction.
@@ -129,12 +129,14 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 #ifdef DLITE_DECODE_ATTENTION
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16 &&
                   q.size(2) == kDim, "decode_attention: q must be contiguous CPU bf16 [T, Hq, 64]");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu(),
+              "decode_attention: the caches and slots must be on the CPU");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
                   v_cache.is_contiguous() && k_cache.scalar_type() == at::kBFloat16 &&
                   v_cache.scalar_type() == at::kBFloat16 && k_cache.size(2) == kDim,
               "decode_attention: caches must be contiguous bf16 [Hkv, S, 64]");
   const int64_t t = q.size(0), hq = q.size(1), hkv = k_cache.size(0), num_slots = k_cache.size(1), ctx = first + t;
-  TORCH_CHECK(hq % hkv == 0, "decode_attention: query heads are not a multiple of KV heads");
+  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "decode_attention: query heads are not a multiple of KV heads");
   TORCH_CHECK(first >= 0 && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
                   slots.size(0) >= ctx, "decode_attention: slots must be int64 and cover positions [0, first + T)");
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -156,11 +158,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
       for (int64_t j = 0; j < count; ++j) {
-        const int64_t at = (h * num_slots + slot[start + j]) * kDim;
-        keys[j] = kp + at;
+        const int64_t offset = (h * num_slots + slot[start + j]) * kDim;
+        keys[j] = kp + offset;
         for (int d = 0; d < 4; ++d)
           _mm512_storeu_ps(values.data() + j * kDim + 16 * d,
-                           bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + at + 16 * d))));
+                           bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + offset + 16 * d))));
       }
       for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
         const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
@@ -181,7 +183,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
       __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
       for (int64_t c = 0; c <= last; ++c) {
         const Partial& p = partials[(h * chunks + c) * rows + r];
-        alignas(64) float w[16];
+        alignas(64) float w[16];  // the chunk's weight, exp(max_c - max), in every lane: one is used
         _mm512_store_ps(w, exp_nonpositive(_mm512_set1_ps(p.max - max)));
         sum += p.sum * w[0];
         for (int d = 0; d < 4; ++d) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w[0]), _mm512_load_ps(p.values + 16 * d), acc[d]);
@@ -202,5 +204,5 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 
 void register_decode_attention(pybind11::module& m) {
   m.def("decode_attention_available", &available);
-  m.def("decode_attention", &decode_attention);
+  m.def("decode_attention", &decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

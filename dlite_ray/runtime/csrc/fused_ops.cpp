@@ -8,7 +8,9 @@
 // would, which speculative decoding needs to be exact.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <tuple>
 
 namespace {
@@ -18,12 +20,12 @@ inline float f(T x) {
   return static_cast<float>(x);
 }
 
-// out = (x * rsqrt(mean(x^2) + eps)) rounded to T, times w: the rounding points of
-// torch.nn.functional.rms_norm.
 // Partial sums in this many lanes, added up at the end: a fixed order the compiler can
 // vectorise (one running sum it may not reorder).
 constexpr int64_t kLanes = 16;
 
+// out = (x * rsqrt(mean(x^2) + eps)) rounded to T, times w: the rounding points of
+// torch.nn.functional.rms_norm.
 template <typename T>
 void norm_row(const T* __restrict x, const T* __restrict w, T* __restrict out, int64_t d, float eps) {
   float lanes[kLanes] = {};
@@ -39,6 +41,7 @@ void norm_row(const T* __restrict x, const T* __restrict w, T* __restrict out, i
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& w, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), name, ": x must be contiguous CPU [rows, D]");
+  TORCH_CHECK(w.device().is_cpu(), name, ": weight must be on the CPU");
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type() && w.is_contiguous(),
               name, ": weight must be [D] in x's dtype");
 }
@@ -80,6 +83,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_qkv(const torch::
                                                                    const torch::Tensor& signed_sin, int64_t hq,
                                                                    int64_t hkv) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "rotate_qkv: qkv must be contiguous CPU [T, W]");
+  TORCH_CHECK(hq > 0 && hkv > 0, "rotate_qkv: head counts must be positive");
   const int64_t t = qkv.size(0), heads = hq + 2 * hkv, dh = qkv.size(1) / heads, half = dh / 2;
   TORCH_CHECK(qkv.size(1) == heads * dh && dh % 2 == 0, "rotate_qkv: width is not (hq + 2 hkv) * even head_dim");
   TORCH_CHECK(cos.sizes() == signed_sin.sizes() && cos.dim() == 2 && cos.size(0) == t && cos.size(1) == dh &&
@@ -121,8 +125,10 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 // slots[T], non-finite values as 0 (see PagedKVCache.write).
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& k,
               const torch::Tensor& v) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
-                  v_cache.sizes() == k_cache.sizes(), "write_kv: caches must be contiguous [Hkv, slots, Dh]");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(), 
+              "write_kv: caches must be contiguous CPU [Hkv, slots, Dh] of one dtype, slots on the CPU");
   const int64_t hkv = k_cache.size(0), num_slots = k_cache.size(1), dh = k_cache.size(2), t = slots.size(0);
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "write_kv: slots must be int64 [T]");
   for (const auto* x : {&k, &v})
