@@ -81,6 +81,20 @@ def test_a_row_gets_the_same_bits_whatever_the_row_count(kernels, dtype, seed):
             assert torch.equal(got, want[rows])
 
 
+def test_silu_mul_keeps_a_rows_bits_in_calls_longer_than_a_threads_share(kernels):
+    """ATen splits long element-wise calls between threads at any element, and the pieces'
+    ends round on a scalar path: 32 rows of a 4096-wide MLP are past that on 3 threads (one
+    row differed from its one-row call with eager silu * up)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        gate_up = 4 * torch.randn(32, 2 * 4096, generator=torch.Generator().manual_seed(3))
+        full = kernels.silu_mul(gate_up)
+        assert all(torch.equal(kernels.silu_mul(gate_up[i:i + 1]), full[i:i + 1]) for i in range(32))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_write_kv_writes_the_slots_finite_and_nothing_else(kernels):
     k_cache, v_cache = torch.full((HKV, 64, DH), 7.0), torch.full((HKV, 64, DH), 7.0)
     k, v = torch.randn(3, HKV, DH), torch.randn(3, HKV, DH)

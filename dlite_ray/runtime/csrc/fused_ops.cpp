@@ -8,6 +8,8 @@
 // would, which speculative decoding needs to be exact.
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
 #include <cmath>
 #include <utility>
@@ -111,14 +113,24 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rotate_qkv(const torch::
   return {q, k, v};
 }
 
-// gate_up [T, 2I] -> silu(gate) * up [T, I], silu rounded to T first as the eager calls do.
+// gate_up [T, 2I] -> silu(gate) * up [T, I], with ATen's own vectorised silu and multiply
+// (the bits of the eager calls, minus their dispatch from Python). ATen splits a call of
+// more than GRAIN_SIZE elements between threads at any element, and the pieces' ends take a
+// scalar path; calls of at most GRAIN_SIZE elements, whole rows each, keep every row on the
+// same path whatever the row count.
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
               "silu_mul: gate_up must be contiguous CPU [T, 2I]");
   const int64_t t = gate_up.size(0), width = gate_up.size(1) / 2;
-  // ATen's own vectorised silu (exp): the same bits as the eager calls, minus their dispatch from Python.
-  auto out = at::silu(gate_up.narrow(1, 0, width));
-  return out.mul_(gate_up.narrow(1, width, width));
+  auto out = torch::empty({t, width}, gate_up.options());
+  const int64_t rows_per_call = std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(width, 1));
+  for (int64_t r = 0; r < t; r += rows_per_call) {
+    const int64_t n = std::min(rows_per_call, t - r);
+    auto rows = gate_up.narrow(0, r, n), o = out.narrow(0, r, n);
+    at::silu_out(o, rows.narrow(1, 0, width));
+    o.mul_(rows.narrow(1, width, width));
+  }
+  return out;
 }
 
 // Writes k, v [T, Hkv, Dh] into one layer of a head-major cache [Hkv, slots, Dh] at
