@@ -70,15 +70,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ops.rms_norm(_rows(x), weight, eps).view(x.shape)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + x), residual + x): a residual add and the norm that follows it."""
-    ops = _fused(x)
-    if ops is None or weight.dtype != x.dtype:
-        summed = residual + x
-        return F.rms_norm(summed, (x.shape[-1],), weight, eps), summed
-    normed, summed = ops.add_rms_norm(_rows(x), _rows(residual), weight, eps)
-    return normed.view(x.shape), summed.view(x.shape)
+    """(rms_norm(residual + delta), residual + delta): a residual add and the norm that follows it."""
+    ops = _fused(delta)
+    if ops is None or weight.dtype != delta.dtype:
+        summed = residual + delta
+        return F.rms_norm(summed, (delta.shape[-1],), weight, eps), summed
+    normed, summed = ops.add_rms_norm(_rows(delta), _rows(residual), weight, eps)
+    return normed.view(delta.shape), summed.view(delta.shape)
 
 
 def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
@@ -111,22 +111,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-             ) -> None:
+             ) -> bool:
     """k, v [T, Hkv, Dh] into one layer of a head-major cache [Hkv, slots, Dh] at `slots`,
-    non-finite values as 0 (why: `PagedKVCache.write`)."""
+    non-finite values as 0, in one call. False, having written nothing, where the kernel
+    does not serve: the caller writes them eagerly (`PagedKVCache.write`)."""
     ops = _fused(k)
     if ops is None or not k_cache.is_contiguous():
-        for cache, x in ((k_cache, k), (v_cache, v)):
-            cache.index_copy_(1, slots, torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).transpose(0, 1))
-        return
+        return False
     ops.write_kv(k_cache, v_cache, slots, k.contiguous(), v.contiguous())
+    return True
 
 
 def attends_decode_rows(q: torch.Tensor) -> bool:
     """Whether `decode_attention` serves these query rows [T, Hq, Dh]: bf16 with a head dim
     of 64, in inference, on a CPU with AVX-512 BF16 (else the CPU flash kernel does)."""
-    ops = _fused(q)
-    return ops is not None and q.dtype == torch.bfloat16 and q.shape[-1] == 64 and ops.decode_attention_available()
+    return q.dtype == torch.bfloat16 and q.shape[-1] == 64 and _fused(q) is not None and _decode_attention_built()
+
+
+@functools.cache
+def _decode_attention_built() -> bool:
+    """Asked once, not in every layer: whether the build has the AVX-512 BF16 kernel."""
+    return kernels() is not None and kernels().decode_attention_available()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -46,8 +46,9 @@ class PagedKVCache:
         if self.block_major:
             self.k_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(k))
             self.v_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(v))
-        else:
-            fused_ops.write_kv(self.k_layers[layer], self.v_layers[layer], slot_mapping, k, v)
+        elif not fused_ops.write_kv(self.k_layers[layer], self.v_layers[layer], slot_mapping, k, v):
+            self.k_layers[layer].index_copy_(1, slot_mapping, _finite(k).transpose(0, 1))
+            self.v_layers[layer].index_copy_(1, slot_mapping, _finite(v).transpose(0, 1))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K/V in every layer (copy-on-write of a shared block)."""

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
 
     def after_residual(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this norm of x + delta, x + delta) in one go."""
-        return fused_ops.add_rms_norm(delta, x, self.weight, self.eps)
+        return fused_ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
