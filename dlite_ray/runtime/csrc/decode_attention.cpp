@@ -64,6 +64,11 @@ inline __m512 sum_lanes_of_each(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xdd));
 }
 
+// A mask of the first n of a block's 16 lanes (all of them from n = 16 on).
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= kBlock ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+}
+
 struct Partial {  // one row's softmax over one chunk
   float max = -INFINITY, sum = 0.f;
   alignas(64) float values[kDim];
@@ -82,7 +87,7 @@ void attend_chunk(const __m512bh q[2], const uint16_t* const* keys, const float*
       const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
       dots[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], k0), q[1], k1);
     }
-    const __mmask16 valid = seen - b * kBlock >= kBlock ? 0xffff : (__mmask16)((1u << (seen - b * kBlock)) - 1);
+    const __mmask16 valid = first_lanes(seen - b * kBlock);
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
                                         _mm512_mul_ps(sum_lanes_of_each(dots), _mm512_set1_ps(scale)));
     _mm512_storeu_ps(scores + b * kBlock, s);
@@ -92,7 +97,7 @@ void attend_chunk(const __m512bh q[2], const uint16_t* const* keys, const float*
   const __m512 m = _mm512_set1_ps(out.max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {  // masked keys: exp(-inf - max) = 0 (clamped: tiny, then zeroed)
-    const __mmask16 valid = seen - b * kBlock >= kBlock ? 0xffff : (__mmask16)((1u << (seen - b * kBlock)) - 1);
+    const __mmask16 valid = first_lanes(seen - b * kBlock);
     const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + b * kBlock), m)));
     _mm512_storeu_ps(scores + b * kBlock, p);
     sum = _mm512_add_ps(sum, p);
