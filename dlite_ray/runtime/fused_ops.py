@@ -3,7 +3,7 @@
 A decode step of a small model on CPU is mostly small operations: an eager RMSNorm is
 eight calls of ~2-5 us each, rotary six, a cache write six. `csrc/fused_ops.cpp` does each
 group in one call; `csrc/decode_attention.cpp` attends a step's few new rows over the paged
-cache (bf16, AVX-512 BF16). They are compiled by torch's extension loader (ninja and the
+cache (float32 or bf16, AVX-512). They are compiled by torch's extension loader (ninja and the
 system C++ compiler, ~30 s once per machine, cached under ~/.cache/torch_extensions) when
 a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
 run as eager PyTorch calls and attention through the CPU flash kernel.
@@ -123,15 +123,19 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 
 def attends_decode_rows(q: torch.Tensor) -> bool:
-    """Whether `decode_attention` serves these query rows [T, Hq, Dh]: bf16 with a head dim
-    of 64, in inference, on a CPU with AVX-512 BF16 (else the CPU flash kernel does)."""
-    return q.dtype == torch.bfloat16 and q.shape[-1] == 64 and _fused(q) is not None and _decode_attention_built()
+    """Whether `decode_attention` serves these query rows [T, Hq, Dh]: a head dim of 64 or
+    128, in inference, on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16); else the CPU
+    flash kernel does."""
+    return q.shape[-1] in (64, 128) and _fused(q) is not None and _DTYPE_NAMES.get(q.dtype) in _decode_attention_dtypes()
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
 @functools.cache
-def _decode_attention_built() -> bool:
-    """Asked once, not in every layer: whether the build has the AVX-512 BF16 kernel."""
-    return kernels() is not None and kernels().decode_attention_available()
+def _decode_attention_dtypes() -> frozenset[str]:
+    """Asked once, not in every layer: the cache dtypes the build's decode kernel attends."""
+    return frozenset(kernels().decode_attention_dtypes()) if kernels() is not None else frozenset()
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -153,62 +153,83 @@ def test_inference_uses_the_kernels_and_training_does_not(kernels, monkeypatch):
     torch.testing.assert_close(fused, trained.detach(), rtol=2e-4, atol=2e-4)
 
 
-@pytest.fixture
-def decode_kernel(kernels):
-    if not kernels.decode_attention_available():
-        pytest.skip("built without AVX-512 BF16")
-    return kernels.decode_attention
+DECODE_CASES = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64), (torch.float32, 128)]
 
 
-def _decode_inputs(rows: int, seed: int = 0):
+@pytest.fixture(params=DECODE_CASES, ids=[f"{str(d)[6:]}-head_dim{h}" for d, h in DECODE_CASES])
+def decode_case(kernels, request):
+    dtype, head_dim = request.param
+    if str(dtype)[6:] not in kernels.decode_attention_dtypes():
+        pytest.skip(f"built without a {dtype} decode kernel (needs AVX-512, and AVX-512 BF16 for bf16)")
+    return dtype, head_dim
+
+
+def _decode_inputs(rows: int, dtype=torch.bfloat16, head_dim: int = 64, seed: int = 0):
     gen = torch.Generator().manual_seed(seed)
-    q = (3 * torch.randn(rows, HQ, DH, generator=gen)).bfloat16()  # peaked softmax
-    k_cache, v_cache = (torch.randn(HKV, 6000, DH, generator=gen).bfloat16() for _ in range(2))
+    q = (3 * torch.randn(rows, HQ, head_dim, generator=gen)).to(dtype)  # peaked softmax
+    k_cache, v_cache = (torch.randn(HKV, 6000, head_dim, generator=gen).to(dtype) for _ in range(2))
     return q, k_cache, v_cache, torch.randperm(6000, generator=gen)
 
 
 def _causal_reference(q, k_cache, v_cache, slots, first):
+    head_dim = q.shape[-1]
     k, v = (c[:, slots[:first + len(q)]].double() for c in (k_cache, v_cache))
     outs = []
-    for i, row in enumerate(q.double().view(len(q), HKV, HQ // HKV, DH)):
-        scores = torch.einsum("hgd,hkd->hgk", row, k[:, :first + i + 1]) * DH ** -0.5
-        outs.append(torch.einsum("hgk,hkd->hgd", scores.softmax(-1), v[:, :first + i + 1]).reshape(HQ, DH))
+    for i, row in enumerate(q.double().view(len(q), HKV, HQ // HKV, head_dim)):
+        scores = torch.einsum("hgd,hkd->hgk", row, k[:, :first + i + 1]) * head_dim ** -0.5
+        outs.append(torch.einsum("hgk,hkd->hgd", scores.softmax(-1), v[:, :first + i + 1]).reshape(HQ, head_dim))
     return torch.stack(outs)
 
 
 @pytest.mark.parametrize(("first", "rows"), [(0, 1), (5, 3), (15, 2), (255, 2), (300, 8), (1020, 16), (4090, 8)])
-def test_decode_attention_is_causal_attention(decode_kernel, first, rows):
-    q, k_cache, v_cache, slots = _decode_inputs(rows)
-    got = decode_kernel(q, k_cache, v_cache, slots, first)
+def test_decode_attention_is_causal_attention(kernels, decode_case, first, rows):
+    dtype, head_dim = decode_case
+    q, k_cache, v_cache, slots = _decode_inputs(rows, dtype, head_dim)
+    got = kernels.decode_attention(q, k_cache, v_cache, slots, first)
+    assert got.dtype == dtype
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.double(), _causal_reference(q, k_cache, v_cache, slots, first),
-                               rtol=2e-2, atol=2e-2)
+                               rtol=tolerance, atol=tolerance)
 
 
-def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(decode_kernel):
+def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(kernels, decode_case):
     """Whatever the row count, the threads or where the slots lie: what makes a verify step
     equal plain decoding (and a sequence's output independent of its block layout)."""
+    attend = kernels.decode_attention
     first = 1530  # the rows straddle a chunk boundary (1536)
-    q, k_cache, v_cache, slots = _decode_inputs(16)
-    full = decode_kernel(q, k_cache, v_cache, slots, first)
+    q, k_cache, v_cache, slots = _decode_inputs(16, *decode_case)
+    full = attend(q, k_cache, v_cache, slots, first)
     for i in range(16):
-        assert torch.equal(decode_kernel(q[i:i + 1], k_cache, v_cache, slots, first + i), full[i:i + 1])
-    assert torch.equal(decode_kernel(q[3:11], k_cache, v_cache, slots, first + 3), full[3:11])
+        assert torch.equal(attend(q[i:i + 1], k_cache, v_cache, slots, first + i), full[i:i + 1])
+    assert torch.equal(attend(q[3:11], k_cache, v_cache, slots, first + 3), full[3:11])
     moved_k, moved_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     elsewhere = torch.arange(6000).flip(0)  # the same context, other slots
     moved_k[:, elsewhere], moved_v[:, elsewhere] = k_cache[:, slots], v_cache[:, slots]
-    assert torch.equal(decode_kernel(q, moved_k, moved_v, elsewhere, first), full)
+    assert torch.equal(attend(q, moved_k, moved_v, elsewhere, first), full)
     threads = torch.get_num_threads()
     try:
         for count in (1, 3):
             torch.set_num_threads(count)
-            assert torch.equal(decode_kernel(q, k_cache, v_cache, slots, first), full)
+            assert torch.equal(attend(q, k_cache, v_cache, slots, first), full)
     finally:
         torch.set_num_threads(threads)
 
 
-def test_decode_attention_rejects_slots_outside_the_cache(decode_kernel):
-    q, k_cache, v_cache, slots = _decode_inputs(2)
+def test_decode_attention_rejects_slots_outside_the_cache(kernels, decode_case):
+    attend = kernels.decode_attention
+    q, k_cache, v_cache, slots = _decode_inputs(2, *decode_case)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        decode_kernel(q, k_cache, v_cache, torch.full((12,), 6000), 10)
+        attend(q, k_cache, v_cache, torch.full((12,), 6000), 10)
     with pytest.raises(RuntimeError, match="cover positions"):
-        decode_kernel(q, k_cache, v_cache, slots[:11], 10)
+        attend(q, k_cache, v_cache, slots[:11], 10)
+
+
+def test_decode_attention_rejects_other_dtypes_and_head_dims(kernels):
+    q, k_cache, v_cache, slots = _decode_inputs(2, torch.float32)
+    with pytest.raises(RuntimeError, match="dtype and head dim"):
+        kernels.decode_attention(q, k_cache.bfloat16(), v_cache.bfloat16(), slots, 10)
+    with pytest.raises(RuntimeError, match="64 or 128"):
+        kernels.decode_attention(q[..., :32].contiguous(), k_cache[..., :32].contiguous(),
+                                 v_cache[..., :32].contiguous(), slots, 10)
+    with pytest.raises(RuntimeError, match="does not attend"):
+        kernels.decode_attention(q.double(), k_cache.double(), v_cache.double(), slots, 10)

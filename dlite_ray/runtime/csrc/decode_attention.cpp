@@ -1,9 +1,9 @@
-// Decode and verify attention on CPU with AVX-512 BF16: the few new rows of one sequence
-// against its paged context, for bf16 and a head dim of 64 (see attention.py,
+// Decode and verify attention on CPU with AVX-512: the few new rows of one sequence against
+// its paged context, for float32 or bf16 caches and head dims of 64 or 128 (see attention.py,
 // `SdpaBackend.attend`). The CPU flash kernel packs every key and value block for its
 // matrix routine on every call, which for a handful of rows costs more than the arithmetic;
 // here the keys are read where they lie, through their slots, and dotted with the query rows
-// by the bf16 dot-product instruction.
+// (bf16 by the bf16 dot-product instruction, where the CPU has AVX-512 BF16).
 //
 // A row's result depends on its position and its keys alone: keys are taken in fixed
 // chunks of positions, each row is worked on its own inside a chunk, and the chunks are
@@ -16,20 +16,24 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
-#define DLITE_DECODE_ATTENTION 1
+#define DLITE_DECODE_FLOAT 1  // float32 caches: AVX-512 F
+#if defined(__AVX512BF16__)
+#define DLITE_DECODE_BF16 1  // bf16 caches: the bf16 dot-product instruction
+#endif
 #endif
 
 namespace {
 
-#ifdef DLITE_DECODE_ATTENTION
+#ifdef DLITE_DECODE_FLOAT
 
-constexpr int64_t kDim = 64;     // head dim handled here
-constexpr int64_t kChunk = 256;  // chunk c holds positions [c * kChunk, (c + 1) * kChunk)
-constexpr int64_t kBlock = 16;   // keys scored together (one vector of scores)
+constexpr int64_t kMaxDim = 128;  // head dims handled here: 64 and 128
+constexpr int64_t kChunk = 256;   // chunk c holds positions [c * kChunk, (c + 1) * kChunk)
+constexpr int64_t kBlock = 16;    // keys scored together (one vector of scores)
 
 // exp(x) for x <= 0, 16 at a time (Cephes' expf: Cody-Waite reduction, degree-6 polynomial).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -69,24 +73,63 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= kBlock ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
 }
 
-struct Partial {  // one row's softmax over one chunk
-  float max = -INFINITY, sum = 0.f;
-  alignas(64) float values[kDim];
+// What differs between cache dtypes: how a query row is dotted with a key, and how values
+// are read and written. Elem is the element as stored; Out the tensor's element type.
+struct Float32 {
+  using Elem = float;
+  using Out = float;
+  template <int64_t D>
+  struct Query {  // q . k in 16 lanes of partial sums
+    __m512 v[D / 16];
+    explicit Query(const float* q) {
+      for (int64_t i = 0; i < D / 16; ++i) v[i] = _mm512_loadu_ps(q + 16 * i);
+    }
+    __m512 dot(const float* k) const {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D / 16; ++i) acc = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(k + 16 * i), acc);
+      return acc;
+    }
+  };
+  static __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 };
 
-// One row over the first `seen` keys of a chunk. keys: pointers to each key's 64 bf16;
-// values: the chunk's values as float [kChunk][64].
-void attend_chunk(const __m512bh q[2], const uint16_t* const* keys, const float* values, int64_t seen, float scale,
+#ifdef DLITE_DECODE_BF16
+struct BFloat16 {
+  using Elem = uint16_t;
+  using Out = at::BFloat16;
+  template <int64_t D>
+  struct Query {  // q . k by the bf16 dot-product instruction: 32 products a vector
+    __m512bh v[D / 32];
+    explicit Query(const uint16_t* q) {
+      for (int64_t i = 0; i < D / 32; ++i) v[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
+    }
+    __m512 dot(const uint16_t* k) const {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D / 32; ++i) acc = _mm512_dpbf16_ps(acc, v[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
+      return acc;
+    }
+  };
+  static __m512 load16(const uint16_t* x) {  // bf16 -> float is a 16-bit shift
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+  }
+};
+#endif
+
+struct Partial {  // one row's softmax over one chunk
+  float max = -INFINITY, sum = 0.f;
+  alignas(64) float values[kMaxDim];
+};
+
+// One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements;
+// values: the chunk's values as float [kChunk][D].
+template <int64_t D, typename Q, typename Elem>
+void attend_chunk(const Q& q, const Elem* const* keys, const float* values, int64_t seen, float scale,
                   float* scores, Partial& out) {
   const int64_t blocks = (seen + kBlock - 1) / kBlock;
   __m512 max = _mm512_set1_ps(-INFINITY);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 dots[kBlock];
-    for (int64_t i = 0; i < kBlock; ++i) {
-      const uint16_t* k = keys[std::min(b * kBlock + i, seen - 1)];  // past `seen`: masked below
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k), k1 = (__m512bh)_mm512_loadu_si512(k + 32);
-      dots[i] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], k0), q[1], k1);
-    }
+    for (int64_t i = 0; i < kBlock; ++i) dots[i] = q.dot(keys[std::min(b * kBlock + i, seen - 1)]);  // past `seen`: masked below
     const __mmask16 valid = first_lanes(seen - b * kBlock);
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
                                         _mm512_mul_ps(sum_lanes_of_each(dots), _mm512_set1_ps(scale)));
@@ -103,111 +146,147 @@ void attend_chunk(const __m512bh q[2], const uint16_t* const* keys, const float*
     sum = _mm512_add_ps(sum, p);
   }
   out.sum = _mm512_reduce_add_ps(sum);
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  __m512 acc[D / 16];
+  for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < seen; ++j) {
     const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int d = 0; d < 4; ++d) acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + j * kDim + 16 * d), acc[d]);
+    for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + j * D + 16 * d), acc[d]);
   }
-  for (int d = 0; d < 4; ++d) _mm512_store_ps(out.values + 16 * d, acc[d]);
+  for (int64_t d = 0; d < D / 16; ++d) _mm512_store_ps(out.values + 16 * d, acc[d]);
 }
 
-inline __m512 bf16_to_float(__m256i x) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+// One row's chunks merged in order into its output (D elements).
+template <int64_t D, typename Out>
+void merge_chunks(const Partial* const* parts, int64_t count, Out* out) {
+  float max = -INFINITY, sum = 0.f;
+  for (int64_t c = 0; c < count; ++c) max = std::max(max, parts[c]->max);
+  __m512 acc[D / 16];
+  for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < count; ++c) {
+    alignas(64) float w[16];  // the chunk's weight, exp(max_c - max), in every lane: one is used
+    _mm512_store_ps(w, exp_nonpositive(_mm512_set1_ps(parts[c]->max - max)));
+    sum += parts[c]->sum * w[0];
+    for (int64_t d = 0; d < D / 16; ++d)
+      acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w[0]), _mm512_load_ps(parts[c]->values + 16 * d), acc[d]);
+  }
+  alignas(64) float merged[D];
+  for (int64_t d = 0; d < D / 16; ++d) _mm512_store_ps(merged + 16 * d, _mm512_div_ps(acc[d], _mm512_set1_ps(sum)));
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<Out>(merged[d]);
 }
 
-#endif  // DLITE_DECODE_ATTENTION
-
-bool available() {
-#ifdef DLITE_DECODE_ATTENTION
-  return true;
-#else
-  return false;
-#endif
-}
-
-// q [T, Hq, 64] bf16 at positions first .. first + T - 1, attending causally the keys and
-// values of positions [0, first + T), which sit at `slots` of one layer's head-major cache
-// [Hkv, S, 64]. -> [T, Hq, 64].
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                               const torch::Tensor& slots, int64_t first) {
-  TORCH_CHECK(available(), "decode_attention: built without AVX-512 BF16");
-#ifdef DLITE_DECODE_ATTENTION
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16 &&
-                  q.size(2) == kDim, "decode_attention: q must be contiguous CPU bf16 [T, Hq, 64]");
-  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu(),
-              "decode_attention: the caches and slots must be on the CPU");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && k_cache.size(2) == kDim,
-              "decode_attention: caches must be contiguous bf16 [Hkv, S, 64]");
+template <typename Type, int64_t D>
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const int64_t* slot, int64_t first) {
+  using Elem = typename Type::Elem;
+  using Out = typename Type::Out;
   const int64_t t = q.size(0), hq = q.size(1), hkv = k_cache.size(0), num_slots = k_cache.size(1), ctx = first + t;
-  TORCH_CHECK(hkv > 0 && hq % hkv == 0, "decode_attention: query heads are not a multiple of KV heads");
-  TORCH_CHECK(first >= 0 && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
-                  slots.size(0) >= ctx, "decode_attention: slots must be int64 and cover positions [0, first + T)");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ctx; ++i)
-    TORCH_CHECK(0 <= slot[i] && slot[i] < num_slots, "decode_attention: slot ", slot[i], " outside the cache");
-
   const int64_t group = hq / hkv, rows = group * t, chunks = (ctx + kChunk - 1) / kChunk;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(kDim));
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  const auto* qp = reinterpret_cast<const Elem*>(q.data_ptr());
+  const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
+  const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
   std::vector<Partial> partials(hkv * chunks * rows);
   // Work items (KV head, chunk); each fills its own partials, so threads change nothing.
   const int64_t grain = hkv * ctx * rows < (1 << 14) ? hkv * chunks : 1;
   at::parallel_for(0, hkv * chunks, grain, [&](int64_t begin, int64_t end) {
-    std::vector<const uint16_t*> keys(kChunk);
-    std::vector<float> values(kChunk * kDim);
+    std::vector<const Elem*> keys(kChunk);
+    std::vector<float> values(kChunk * D);
     alignas(64) float scores[kChunk];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
       for (int64_t j = 0; j < count; ++j) {
-        const int64_t offset = (h * num_slots + slot[start + j]) * kDim;
+        const int64_t offset = (h * num_slots + slot[start + j]) * D;
         keys[j] = kp + offset;
-        for (int d = 0; d < 4; ++d)
-          _mm512_storeu_ps(values.data() + j * kDim + 16 * d,
-                           bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vp + offset + 16 * d))));
+        for (int64_t d = 0; d < D / 16; ++d)
+          _mm512_storeu_ps(values.data() + j * D + 16 * d, Type::load16(vp + offset + 16 * d));
       }
       for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
         const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
         if (seen <= 0) continue;  // the chunk lies wholly after the row's position
-        const uint16_t* qr = qp + (token * hq + h * group + r % group) * kDim;
-        const __m512bh qv[2] = {(__m512bh)_mm512_loadu_si512(qr), (__m512bh)_mm512_loadu_si512(qr + 32)};
-        attend_chunk(qv, keys.data(), values.data(), seen, scale, scores, partials[(h * chunks + c) * rows + r]);
+        const typename Type::template Query<D> qr(qp + (token * hq + h * group + r % group) * D);
+        attend_chunk<D>(qr, keys.data(), values.data(), seen, scale, scores, partials[(h * chunks + c) * rows + r]);
       }
     }
   });
   auto out = torch::empty_like(q);
-  auto* op = out.data_ptr<at::BFloat16>();
+  auto* op = reinterpret_cast<Out*>(out.data_ptr());
+  std::vector<const Partial*> parts(chunks);
   for (int64_t h = 0; h < hkv; ++h) {
-    for (int64_t r = 0; r < rows; ++r) {  // merge the row's chunks in order
-      const int64_t token = r / group, last = (first + token) / kChunk;
-      float max = -INFINITY, sum = 0.f;
-      for (int64_t c = 0; c <= last; ++c) max = std::max(max, partials[(h * chunks + c) * rows + r].max);
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t c = 0; c <= last; ++c) {
-        const Partial& p = partials[(h * chunks + c) * rows + r];
-        alignas(64) float w[16];  // the chunk's weight, exp(max_c - max), in every lane: one is used
-        _mm512_store_ps(w, exp_nonpositive(_mm512_set1_ps(p.max - max)));
-        sum += p.sum * w[0];
-        for (int d = 0; d < 4; ++d) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w[0]), _mm512_load_ps(p.values + 16 * d), acc[d]);
-      }
-      at::BFloat16* o = op + (token * hq + h * group + r % group) * kDim;
-      alignas(64) float merged[kDim];
-      for (int d = 0; d < 4; ++d) _mm512_store_ps(merged + 16 * d, _mm512_div_ps(acc[d], _mm512_set1_ps(sum)));
-      for (int64_t d = 0; d < kDim; ++d) o[d] = static_cast<at::BFloat16>(merged[d]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = r / group, count = (first + token) / kChunk + 1;
+      for (int64_t c = 0; c < count; ++c) parts[c] = &partials[(h * chunks + c) * rows + r];
+      merge_chunks<D>(parts.data(), count, op + (token * hq + h * group + r % group) * D);
     }
   }
   return out;
+}
+
+template <typename Type>
+torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const int64_t* slot, int64_t first) {
+  return q.size(2) == 64 ? attend<Type, 64>(q, k_cache, v_cache, slot, first)
+                         : attend<Type, 128>(q, k_cache, v_cache, slot, first);
+}
+
+#endif  // DLITE_DECODE_FLOAT
+
+// The cache dtypes this build attends ("float32", "bfloat16"; none without AVX-512).
+std::vector<std::string> dtypes() {
+  std::vector<std::string> names;
+#ifdef DLITE_DECODE_FLOAT
+  names.push_back("float32");
+#endif
+#ifdef DLITE_DECODE_BF16
+  names.push_back("bfloat16");
+#endif
+  return names;
+}
+
+bool attends(at::ScalarType dtype) {
+#ifdef DLITE_DECODE_BF16
+  if (dtype == at::kBFloat16) return true;
+#endif
+#ifdef DLITE_DECODE_FLOAT
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+// q [T, Hq, D] at positions first .. first + T - 1, attending causally the keys and
+// values of positions [0, first + T), which sit at `slots` of one layer's head-major cache
+// [Hkv, S, D]; float32 or bf16 (as the build allows), D = 64 or 128. -> [T, Hq, D].
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                               const torch::Tensor& slots, int64_t first) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(attends(dtype), "decode_attention: this build does not attend ", dtype);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
+              "decode_attention: q must be contiguous CPU [T, Hq, 64 or 128]");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu(),
+              "decode_attention: the caches and slots must be on the CPU");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
+                  k_cache.size(2) == q.size(2),
+              "decode_attention: caches must be contiguous [Hkv, S, D] of q's dtype and head dim");
+  const int64_t ctx = first + q.size(0), hkv = k_cache.size(0);
+  TORCH_CHECK(hkv > 0 && q.size(1) % hkv == 0, "decode_attention: query heads are not a multiple of KV heads");
+  TORCH_CHECK(first >= 0 && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.size(0) >= ctx, "decode_attention: slots must be int64 and cover positions [0, first + T)");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < ctx; ++i)
+    TORCH_CHECK(0 <= slot[i] && slot[i] < k_cache.size(1), "decode_attention: slot ", slot[i], " outside the cache");
+#ifdef DLITE_DECODE_BF16
+  if (dtype == at::kBFloat16) return attend_head_dim<BFloat16>(q, k_cache, v_cache, slot, first);
+#endif
+#ifdef DLITE_DECODE_FLOAT
+  return attend_head_dim<Float32>(q, k_cache, v_cache, slot, first);
 #else
-  return q;
+  return q;  // unreachable: `attends` refused every dtype
 #endif
 }
 
 }  // namespace
 
 void register_decode_attention(pybind11::module& m) {
-  m.def("decode_attention_available", &available);
+  m.def("decode_attention_dtypes", &dtypes);
   m.def("decode_attention", &decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

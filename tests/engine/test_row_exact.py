@@ -1,0 +1,112 @@
+"""A verify step computes every row bit for bit as plain decoding would, so greedy
+speculative output equals greedy plain decoding exactly, not just up to rounding (bf16
+rounding flips near-tied greedy tokens otherwise: 4 of 8 replies differed on the default
+model before the attention and linears were made row-exact). Float32 rounds finer, and
+the same holds there."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.runtime import fused_ops
+from dlite_ray.runtime.attention import WINDOW
+from dlite_ray.runtime.frozen_linear import can_pack
+from dlite_ray.runtime.loading import load_target
+from tests.conftest import make_tiny_checkpoint, read_config
+from tests.engine.conftest import make_engine, random_draft
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.zeros(1, dtype=torch.bfloat16)),
+                                reason="row-exact linears need oneDNN packing")
+
+# Long enough that decoding crosses a window boundary of the positioned attention (every
+# WINDOW positions) and a chunk boundary of our decode kernel (every 256).
+PROMPTS = [[random.Random(40 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((9, WINDOW - 20, 236))]
+NEW = 40
+# Head dim 16: the flash kernel's position-exact calls; 64 and 128: our decode attention
+# kernel (`fused_ops.decode_attention`) where the CPU has AVX-512 (BF16 for bf16).
+CASES = [(torch.bfloat16, 16), (torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{str(d)[6:]}-head_dim{h}" for d, h in CASES])
+def case(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def target_dir(case, tiny_target_dir, tmp_path_factory):
+    head_dim = case[1]
+    if head_dim == 16:
+        return tiny_target_dir
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("row_exact") / f"llama{head_dim}", "llama", head_dim=head_dim)
+
+
+@pytest.fixture(scope="module")
+def dtype(case):
+    return case[0]
+
+
+@pytest.fixture(scope="module")
+def target(target_dir, dtype):
+    return load_target(target_dir, dtype)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    ar = make_engine(target, enable_prefix_cache=False)
+    return [ar.generate(p, max_new_tokens=NEW, ignore_eos=True)[0].token_ids for p in PROMPTS]
+
+
+def test_random_draft_mostly_rejected(target, target_dir, dtype, plain):
+    draft = random_draft(target, read_config(target_dir)).to(dtype)
+    spec = make_engine(target, draft, num_draft_tokens=5, enable_prefix_cache=False)
+    for prompt, expected in zip(PROMPTS, plain, strict=True):
+        assert spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids == expected
+
+
+def test_exact_with_the_small_operations_eager(target, target_dir, dtype, monkeypatch):
+    """Where the fused kernels do not build, the eager operations keep a row's bits too."""
+    monkeypatch.setattr(fused_ops, "_fused", lambda x: None)
+    ar = make_engine(target, enable_prefix_cache=False)
+    draft = random_draft(target, read_config(target_dir)).to(dtype)
+    spec = make_engine(target, draft, num_draft_tokens=5, enable_prefix_cache=False)
+    for prompt in PROMPTS:
+        expected = ar.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids
+        assert spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids == expected
+
+
+def test_our_decode_kernel_serves_head_dims_64_and_128(target, target_dir, dtype, monkeypatch):
+    head_dim = read_config(target_dir).get("head_dim")
+    if head_dim not in (64, 128):
+        pytest.skip("the flash kernel's case")
+    with torch.inference_mode():
+        if not fused_ops.attends_decode_rows(torch.zeros(1, 4, head_dim, dtype=dtype)):
+            pytest.skip(f"no {dtype} decode kernel on this CPU")
+    calls = []
+    real = fused_ops.decode_attention
+    monkeypatch.setattr(fused_ops, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    make_engine(target, enable_prefix_cache=False).generate(PROMPTS[0], max_new_tokens=4, ignore_eos=True)
+    assert calls
+
+
+def test_oracle_draft_always_accepted(target, plain):
+    oracle = OracleDraftTransport([p + a for p, a in zip(PROMPTS, plain, strict=True)])
+    spec = make_engine(target, oracle, num_draft_tokens=7, enable_prefix_cache=False)
+    for prompt, expected in zip(PROMPTS, plain, strict=True):
+        out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
+        assert out.token_ids == expected and out.stats["mean_accept_length"] > 4
+
+
+def test_copied_rows_of_sixteen_tokens_stay_exact(target):
+    """Context lookup verifies up to 16 tokens a row: still the position-exact path."""
+    prompts = [p + p[:len(p) // 2] for p in PROMPTS]  # the first round copies 15 tokens
+    plain = make_engine(target, enable_prefix_cache=False)
+    spec = make_engine(target, lookup_tokens=15, enable_prefix_cache=False)
+    for prompt in prompts:
+        expected = plain.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids
+        out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
+        assert out.token_ids == expected
+        assert out.stats["copied_rounds"][0]
