@@ -119,11 +119,11 @@ class SdpaBackend:
     Decode and verify rows (a few new tokens) are computed so that a row's result depends
     on its position only, not on how many tokens the step verifies: otherwise a verify step
     would round differently from plain decoding (a fused kernel sums over a different
-    number of keys), and in bf16 that flips greedy tokens. In bf16 with a head dim of 64 on
-    a CPU with AVX-512 BF16 (SmolLM2 on this project's machines), a kernel of our own does
-    it by construction (`fused_ops.decode_attention`: 2-4x faster than the flash kernel for
-    one new token, 1.5-2x for eight); elsewhere the flash kernel, called position-exactly
-    (`_attend_positioned`).
+    number of keys), and in bf16 that flips greedy tokens. With a head dim of 64 or 128 on
+    a CPU with AVX-512 (AVX-512 BF16 for bf16; SmolLM2 on this project's machines), a kernel
+    of our own does it by construction (`fused_ops.decode_attention`: in bf16 2-4x faster
+    than the flash kernel for one new token, 1.4-2x for eight; in float32 ~2x for one, about
+    even for eight); elsewhere the flash kernel, called position-exactly (`_attend_positioned`).
 
     Prefill chunks over consecutive blocks read one strided view. A fragmented context
     (prefix-cache hits, preemption, blocks reused after eviction) is gathered once per

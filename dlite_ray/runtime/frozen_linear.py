@@ -8,13 +8,14 @@ K + 1 drafted tokens nearly as cheap as decoding one token on this kind of machi
 
 Speculative decoding is exact only if a verify step computes each row exactly as decoding
 that token alone would. A linear call must then give a row the same bits whatever the
-call's row count, up to EXACT_ROWS rows (a verify step at K = 7 for up to 4 requests).
-Kernels differ: on an AMX Xeon a packed bf16 linear does for 1-32 rows; on an AMD EPYC
-(AVX-512 bf16) a one-row call takes another kernel for a 1536-wide input and rounds some
-rows differently, while every call of 2-48 rows agrees (there, unpacked float32 needs 16
-rows, packed float32 2). So each linear's shape is measured once (`fewest_exact_rows`) and
-calls with fewer rows are padded up to what agrees. tests/runtime/test_frozen_linear.py
-checks this.
+call's row count. Kernels differ: on an AMX Xeon a packed bf16 linear does for 1-32 rows;
+on an AMD EPYC (AVX-512 bf16) a one-row call takes another kernel for a 1536-wide input
+and rounds some rows differently, while every call of 2-2048 rows agrees (there, unpacked
+float32 needs 16 rows, packed float32 2). So each linear's shape is measured once:
+calls with fewer rows than agree are padded up (`fewest_exact_rows`), and where calls of
+more than EXACT_ROWS rows (a step that carries a prefill chunk, or many requests' verify
+rows) disagree with EXACT_ROWS-row calls, they are computed in pieces of EXACT_ROWS rows
+(`large_calls_agree`). tests/runtime/test_frozen_linear.py checks this.
 """
 
 from __future__ import annotations
@@ -27,8 +28,11 @@ from torch import nn
 
 # oneDNN picks its kernel from this row count hint; decode and verify steps are small.
 PACKING_ROW_HINT = 8
-# Calls of up to this many rows compute each row as a call of this many rows does.
+# Calls of up to this many rows compute each row as a call of this many rows does; longer
+# calls too, or else they are made of calls of this many rows.
 EXACT_ROWS = 32
+# The longer calls measured against EXACT_ROWS-row ones.
+LARGE_CALL_ROWS = (48, 128, 512)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -39,22 +43,29 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 class FrozenLinear:
     """y = x W^T + b with W fixed; a plain callable, not a module (nothing here trains).
-    Calls of fewer than `min_rows` rows are padded (see the module docstring)."""
+    Calls of fewer than `min_rows` rows are padded, and with `split_large`, calls of more
+    than EXACT_ROWS rows are made in pieces of EXACT_ROWS (see the module docstring)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1,
+                 split_large: bool = False):
         self.weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
         self.min_rows = min_rows
+        self.split_large = split_large
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] >= self.min_rows:  # the target's ragged rows: as they are
-            return self._linear(x)
+        if x.dim() == 2 and x.shape[0] >= self.min_rows and not (self.split_large and x.shape[0] > EXACT_ROWS):
+            return self._linear(x)  # the target's ragged rows, as they are
         flat = x.reshape(-1, x.shape[-1])
         rows = flat.shape[0]
-        if rows < self.min_rows:
-            flat = F.pad(flat, (0, 0, 0, self.min_rows - rows))
-        return self._linear(flat)[:rows].view(*x.shape[:-1], self.out_features)
+        if self.split_large and rows > EXACT_ROWS:
+            out = torch.cat([self(flat[i:i + EXACT_ROWS]) for i in range(0, rows, EXACT_ROWS)])
+        elif rows < self.min_rows:
+            out = self._linear(F.pad(flat, (0, 0, 0, self.min_rows - rows)))[:rows]
+        else:
+            out = self._linear(flat)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def _linear(self, flat: torch.Tensor) -> torch.Tensor:
         return F.linear(flat, self.weight, self.bias)
@@ -68,8 +79,9 @@ class PackedLinear(FrozenLinear):
     float32). It is a snapshot: changing the weights or moving the model after freezing is
     not supported."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1):
-        super().__init__(weight, bias, min_rows)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = 1,
+                 split_large: bool = False):
+        super().__init__(weight, bias, min_rows, split_large)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACKING_ROW_HINT)
 
     def _linear(self, flat: torch.Tensor) -> torch.Tensor:
@@ -79,8 +91,8 @@ class PackedLinear(FrozenLinear):
 def freeze_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
     kind = PackedLinear if can_pack(weight) else FrozenLinear
     out_features, in_features = weight.shape
-    min_rows = fewest_exact_rows(kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
-    return kind(weight, bias, min_rows)
+    shape = (kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
+    return kind(weight, bias, fewest_exact_rows(*shape), split_large=not large_calls_agree(*shape))
 
 
 @functools.cache
@@ -104,6 +116,23 @@ def fewest_exact_rows(kind: type[FrozenLinear], out_features: int, in_features: 
         if all(_rows_agree(linear, x, full) for x, full in zip(xs, fulls)):
             return min_rows
     return EXACT_ROWS
+
+
+@functools.cache
+def large_calls_agree(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool,
+                      dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether calls of LARGE_CALL_ROWS rows give every row the bits EXACT_ROWS-row calls
+    give it (random weights and inputs; once per process and shape). On the EPYC they do
+    for SmolLM2's linears up to 2048 rows (`runs/s18/big_rows.py`)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    linear = kind(randn(out_features, in_features), randn(out_features) if has_bias else None)
+    x = randn(max(LARGE_CALL_ROWS), in_features)
+    pieces = torch.cat([linear(x[i:i + EXACT_ROWS]) for i in range(0, len(x), EXACT_ROWS)])
+    return all(torch.equal(linear(x[:rows]), pieces[:rows]) for rows in LARGE_CALL_ROWS)
 
 
 def _rows_agree(linear: FrozenLinear, x: torch.Tensor, full: torch.Tensor) -> bool:

@@ -14,7 +14,8 @@ import torch
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention import WINDOW
-from dlite_ray.runtime.frozen_linear import can_pack
+from dlite_ray.engine.sequence import SamplingParams
+from dlite_ray.runtime.frozen_linear import EXACT_ROWS, PackedLinear, can_pack, large_calls_agree
 from dlite_ray.runtime.loading import load_target
 from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import make_engine, random_draft
@@ -110,3 +111,32 @@ def test_copied_rows_of_sixteen_tokens_stay_exact(target):
         out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
         assert out.token_ids == expected
         assert out.stats["copied_rounds"][0]
+
+
+def test_steps_of_many_rows_stay_exact(target_dir, dtype, plain, monkeypatch):
+    """A step that carries a prefill chunk next to verify rows puts more than EXACT_ROWS rows
+    in one linear call. Where a kernel rounds such calls differently from short ones (planted
+    here: this project's kernels agree up to 2048 rows), the linears are made in pieces, and
+    every request still gets the tokens it gets alone."""
+    real = PackedLinear._linear
+
+    def rounds_long_calls_differently(self, flat):
+        out = real(self, flat)
+        return out + 0.05 * out.roll(1, -1) if len(flat) > EXACT_ROWS else out  # not undone by a norm
+
+    monkeypatch.setattr(PackedLinear, "_linear", rounds_long_calls_differently)
+    large_calls_agree.cache_clear()
+    try:
+        planted = load_target(target_dir, dtype)
+    finally:
+        large_calls_agree.cache_clear()  # the other tests measure the real kernels
+    draft = random_draft(planted, read_config(target_dir)).to(dtype)
+    engine = make_engine(planted, draft, num_draft_tokens=5, enable_prefix_cache=False)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    seqs = [engine.add_request(PROMPTS[0], params)]
+    for _ in range(3):  # the first request is verifying drafts when the long prompts arrive
+        engine.step()
+    seqs += [engine.add_request(p, params) for p in PROMPTS[1:]]
+    while engine.has_unfinished():
+        engine.step()
+    assert [s.output_ids for s in seqs] == plain

@@ -11,12 +11,14 @@ from torch import nn
 
 from dlite_ray.runtime.frozen_linear import (
     EXACT_ROWS,
+    LARGE_CALL_ROWS,
     FrozenLinear,
     PackedLinear,
     can_pack,
     fewest_exact_rows,
     freeze_linear,
     freeze_linears,
+    large_calls_agree,
 )
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -91,3 +93,39 @@ def test_freeze_linears_keeps_outputs_and_state_dict():
     assert isinstance(module[0].forward, FrozenLinear)
     torch.testing.assert_close(module(x), before)  # packed: other kernels, same values to rounding
     assert list(module.state_dict()) == keys
+
+
+def _rounding_above(rows: int) -> type[FrozenLinear]:
+    """Row by row (exact by construction), then off by a rounding in calls of more than `rows`
+    rows: a kernel that takes another path for long calls (a prefill chunk in the step)."""
+
+    class RoundsLongCalls(FrozenLinear):
+        def _linear(self, flat: torch.Tensor) -> torch.Tensor:
+            out = (flat[:, None, :].double() * self.weight[None].double()).sum(-1).to(flat.dtype)
+            return out + torch.finfo(out.dtype).eps if len(flat) > rows else out
+
+    return RoundsLongCalls
+
+
+@pytest.mark.parametrize("rows", [EXACT_ROWS, 100, 511, 512])
+def test_long_calls_are_split_where_the_kernel_rounds_them_differently(rows):
+    kind = _rounding_above(rows)
+    agree = large_calls_agree(kind, 12, 8, False, torch.float32, torch.device("cpu"))
+    assert agree == (rows >= max(LARGE_CALL_ROWS))
+    frozen = kind(torch.randn(12, 8), split_large=not agree)
+    x = torch.randn(600, 8)
+    pieces = torch.cat([frozen(x[i:i + EXACT_ROWS]) for i in range(0, 600, EXACT_ROWS)])
+    assert torch.equal(frozen(x[:rows]), pieces[:rows])
+    assert torch.equal(frozen(x[None, :70]), pieces[None, :70])  # any leading shape
+    assert torch.equal(frozen(x), pieces) == (not agree or rows >= 600)
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_linears_of_this_machine_are_measured_for_long_calls(dtype):
+    torch.manual_seed(0)
+    w = torch.randn(960, 576).to(dtype)
+    frozen = freeze_linear(w)
+    x = torch.randn(300, 576).to(dtype)
+    pieces = torch.cat([frozen(x[i:i + EXACT_ROWS]) for i in range(0, 300, EXACT_ROWS)])
+    assert torch.equal(frozen(x), pieces)  # whether the kernel agrees or the call was split
