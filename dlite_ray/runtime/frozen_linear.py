@@ -10,17 +10,20 @@ Speculative decoding is exact only if a verify step computes each row exactly as
 that token alone would. A linear call must then give a row the same bits whatever the
 call's row count. Kernels differ: on an AMX Xeon a packed bf16 linear does for 1-32 rows;
 on an AMD EPYC (AVX-512 bf16) a one-row call takes another kernel for a 1536-wide input
-and rounds some rows differently, while every call of 2-2048 rows agrees (there, unpacked
-float32 needs 16 rows, packed float32 2). So each linear's shape is measured once:
-calls with fewer rows than agree are padded up (`fewest_exact_rows`), and where calls of
-more than EXACT_ROWS rows (a step that carries a prefill chunk, or many requests' verify
-rows) disagree with EXACT_ROWS-row calls, they are computed in pieces of EXACT_ROWS rows
-(`large_calls_agree`). tests/runtime/test_frozen_linear.py checks this.
+and rounds some rows differently, while every call of 2-2048 rows agrees for SmolLM2's
+shapes (unpacked float32 needs 16 rows there, packed float32 2). So each linear's shape is
+measured once: calls with fewer rows than agree are padded up (`fewest_exact_rows`), and
+where longer calls than EXACT_ROWS (a step that carries a prefill chunk, or many requests'
+verify rows) disagree with EXACT_ROWS-row calls, they are made in pieces of EXACT_ROWS
+rows (`large_calls_agree`). Both are measured at the thread count of the first load.
+tests/runtime/test_frozen_linear.py checks this.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,11 +31,11 @@ from torch import nn
 
 # oneDNN picks its kernel from this row count hint; decode and verify steps are small.
 PACKING_ROW_HINT = 8
-# Calls of up to this many rows compute each row as a call of this many rows does; longer
-# calls too, or else they are made of calls of this many rows.
+# Every row of a call of at most this many rows gets the bits a call of this many rows gives
+# it; longer calls are split into pieces of this size unless measured to agree.
 EXACT_ROWS = 32
-# The longer calls measured against EXACT_ROWS-row ones.
-LARGE_CALL_ROWS = (48, 128, 512)
+# The longer calls measured against EXACT_ROWS-row ones (up to the scheduler's default step).
+LARGE_CALL_ROWS = (33, 100, 1024)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -52,20 +55,24 @@ class FrozenLinear:
         self.bias = None if bias is None else bias.detach()
         self.out_features = weight.shape[0]
         self.min_rows = min_rows
-        self.split_large = split_large
+        self.max_rows = EXACT_ROWS if split_large else math.inf
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] >= self.min_rows and not (self.split_large and x.shape[0] > EXACT_ROWS):
+        if x.dim() == 2 and self.min_rows <= x.shape[0] <= self.max_rows:
             return self._linear(x)  # the target's ragged rows, as they are
         flat = x.reshape(-1, x.shape[-1])
-        rows = flat.shape[0]
-        if self.split_large and rows > EXACT_ROWS:
-            out = torch.cat([self(flat[i:i + EXACT_ROWS]) for i in range(0, rows, EXACT_ROWS)])
-        elif rows < self.min_rows:
-            out = self._linear(F.pad(flat, (0, 0, 0, self.min_rows - rows)))[:rows]
+        if len(flat) > self.max_rows:
+            out = torch.cat([self._padded(flat[i:i + EXACT_ROWS]) for i in range(0, len(flat), EXACT_ROWS)])
         else:
-            out = self._linear(flat)
+            out = self._padded(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _padded(self, flat: torch.Tensor) -> torch.Tensor:
+        """A call of at most EXACT_ROWS rows, padded up to min_rows."""
+        rows = len(flat)
+        if rows >= self.min_rows:
+            return self._linear(flat)
+        return self._linear(F.pad(flat, (0, 0, 0, self.min_rows - rows)))[:rows]
 
     def _linear(self, flat: torch.Tensor) -> torch.Tensor:
         return F.linear(flat, self.weight, self.bias)
@@ -91,8 +98,8 @@ class PackedLinear(FrozenLinear):
 def freeze_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
     kind = PackedLinear if can_pack(weight) else FrozenLinear
     out_features, in_features = weight.shape
-    shape = (kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
-    return kind(weight, bias, fewest_exact_rows(*shape), split_large=not large_calls_agree(*shape))
+    probe_key = (kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
+    return kind(weight, bias, fewest_exact_rows(*probe_key), split_large=not large_calls_agree(*probe_key))
 
 
 @functools.cache
@@ -103,12 +110,7 @@ def fewest_exact_rows(kind: type[FrozenLinear], out_features: int, in_features: 
     every row count, every row alone; once per process and shape). A rounding difference
     shows only for some rows: on the EPYC about one row in 25 for one-row calls, so 128 rows
     are tried."""
-    gen = torch.Generator(device=device).manual_seed(0)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
-
-    linear = kind(randn(out_features, in_features), randn(out_features) if has_bias else None)
+    linear, randn = _probe(kind, out_features, in_features, has_bias, dtype, device, seed=0)
     xs = randn(4, EXACT_ROWS, in_features)
     fulls = [linear(x) for x in xs]
     for min_rows in (1, 2, 4, 8, 16):
@@ -122,17 +124,23 @@ def fewest_exact_rows(kind: type[FrozenLinear], out_features: int, in_features: 
 def large_calls_agree(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool,
                       dtype: torch.dtype, device: torch.device) -> bool:
     """Whether calls of LARGE_CALL_ROWS rows give every row the bits EXACT_ROWS-row calls
-    give it (random weights and inputs; once per process and shape). On the EPYC they do
-    for SmolLM2's linears up to 2048 rows (`runs/s18/big_rows.py`)."""
-    gen = torch.Generator(device=device).manual_seed(1)
+    give it (random weights and inputs; once per process and shape). On the EPYC, SmolLM2's
+    linears agree up to 2048 rows in bf16 and float32, so nothing is split there."""
+    linear, randn = _probe(kind, out_features, in_features, has_bias, dtype, device, seed=1)
+    x = randn(max(LARGE_CALL_ROWS), in_features)
+    pieces = torch.cat([linear(x[i:i + EXACT_ROWS]) for i in range(0, len(x), EXACT_ROWS)])
+    return all(torch.equal(linear(x[:rows]), pieces[:rows]) for rows in LARGE_CALL_ROWS)
+
+
+def _probe(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool, dtype: torch.dtype,
+           device: torch.device, seed: int) -> tuple[FrozenLinear, Callable[..., torch.Tensor]]:
+    """A linear of this kind and shape with random weights, and a seeded source of inputs."""
+    gen = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
 
-    linear = kind(randn(out_features, in_features), randn(out_features) if has_bias else None)
-    x = randn(max(LARGE_CALL_ROWS), in_features)
-    pieces = torch.cat([linear(x[i:i + EXACT_ROWS]) for i in range(0, len(x), EXACT_ROWS)])
-    return all(torch.equal(linear(x[:rows]), pieces[:rows]) for rows in LARGE_CALL_ROWS)
+    return kind(randn(out_features, in_features), randn(out_features) if has_bias else None), randn
 
 
 def _rows_agree(linear: FrozenLinear, x: torch.Tensor, full: torch.Tensor) -> bool:

@@ -126,15 +126,17 @@ def attends_decode_rows(q: torch.Tensor) -> bool:
     """Whether `decode_attention` serves these query rows [T, Hq, Dh]: a head dim of 64 or
     128, in inference, on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16); else the CPU
     flash kernel does."""
-    return q.shape[-1] in (64, 128) and _fused(q) is not None and _DTYPE_NAMES.get(q.dtype) in _decode_attention_dtypes()
+    return q.shape[-1] in (64, 128) and _fused(q) is not None and dtype_name(q.dtype) in decode_attention_dtypes()
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32', 'bfloat16', ...: how the kernels name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 @functools.cache
-def _decode_attention_dtypes() -> frozenset[str]:
-    """Asked once, not in every layer: the cache dtypes the build's decode kernel attends."""
+def decode_attention_dtypes() -> frozenset[str]:
+    """The cache dtypes the build's decode kernel attends (asked once, not in every layer)."""
     return frozenset(kernels().decode_attention_dtypes()) if kernels() is not None else frozenset()
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dlite_ray.bench.oracle import OracleDraftTransport
-from dlite_ray.runtime import fused_ops
-from dlite_ray.runtime.attention import WINDOW
 from dlite_ray.engine.sequence import SamplingParams
-from dlite_ray.runtime.frozen_linear import EXACT_ROWS, PackedLinear, can_pack, large_calls_agree
+from dlite_ray.runtime import frozen_linear, fused_ops
+from dlite_ray.runtime.attention import WINDOW
+from dlite_ray.runtime.frozen_linear import EXACT_ROWS, FrozenLinear, PackedLinear, can_pack
 from dlite_ray.runtime.loading import load_target
 from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import make_engine, random_draft
@@ -29,10 +29,10 @@ PROMPTS = [[random.Random(40 + i).randrange(3, 128) for _ in range(n)] for i, n 
 NEW = 40
 # Head dim 16: the flash kernel's position-exact calls; 64 and 128: our decode attention
 # kernel (`fused_ops.decode_attention`) where the CPU has AVX-512 (BF16 for bf16).
-CASES = [(torch.bfloat16, 16), (torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)]
+CASES = [(torch.bfloat16, 16), (torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64), (torch.float32, 128)]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{str(d)[6:]}-head_dim{h}" for d, h in CASES])
+@pytest.fixture(scope="module", params=CASES, ids=[f"{fused_ops.dtype_name(d)}-head_dim{h}" for d, h in CASES])
 def case(request):
     return request.param
 
@@ -118,18 +118,22 @@ def test_steps_of_many_rows_stay_exact(target_dir, dtype, plain, monkeypatch):
     in one linear call. Where a kernel rounds such calls differently from short ones (planted
     here: this project's kernels agree up to 2048 rows), the linears are made in pieces, and
     every request still gets the tokens it gets alone."""
-    real = PackedLinear._linear
+    real_linear, real_call = PackedLinear._linear, FrozenLinear.__call__
+    longest_call, longest_kernel_call = [0], [0]
 
     def rounds_long_calls_differently(self, flat):
-        out = real(self, flat)
+        longest_kernel_call[0] = max(longest_kernel_call[0], len(flat))
+        out = real_linear(self, flat)
         return out + 0.05 * out.roll(1, -1) if len(flat) > EXACT_ROWS else out  # not undone by a norm
 
+    def measured_call(self, x):
+        longest_call[0] = max(longest_call[0], x.numel() // x.shape[-1])
+        return real_call(self, x)
+
     monkeypatch.setattr(PackedLinear, "_linear", rounds_long_calls_differently)
-    large_calls_agree.cache_clear()
-    try:
-        planted = load_target(target_dir, dtype)
-    finally:
-        large_calls_agree.cache_clear()  # the other tests measure the real kernels
+    monkeypatch.setattr(FrozenLinear, "__call__", measured_call)
+    monkeypatch.setattr(frozen_linear, "large_calls_agree", lambda *shape: False)  # what it measures here
+    planted = load_target(target_dir, dtype)
     draft = random_draft(planted, read_config(target_dir)).to(dtype)
     engine = make_engine(planted, draft, num_draft_tokens=5, enable_prefix_cache=False)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -140,3 +144,4 @@ def test_steps_of_many_rows_stay_exact(target_dir, dtype, plain, monkeypatch):
     while engine.has_unfinished():
         engine.step()
     assert [s.output_ids for s in seqs] == plain
+    assert longest_call[0] > EXACT_ROWS >= longest_kernel_call[0]  # long calls came, and went in pieces

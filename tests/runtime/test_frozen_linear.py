@@ -4,6 +4,8 @@ plain decoding's), padding short calls where the kernel was measured to need it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,21 +65,21 @@ def test_rows_do_not_depend_on_the_other_rows(shape, dtype):
             assert torch.equal(frozen(x[i:i + 1]), together[i:i + 1])
 
 
-def _rounding_below(rows_needed: int) -> type[FrozenLinear]:
+def _rounding_where(rounds: Callable[[int], bool]) -> type[FrozenLinear]:
     """A linear computed row by row (so exact by construction), then off by a rounding in
-    calls of fewer than `rows_needed` rows: what a kernel that switches paths by row count does."""
+    calls whose row count `rounds`: what a kernel that switches paths by row count does."""
 
-    class RoundsShortCalls(FrozenLinear):
+    class RoundsSomeCalls(FrozenLinear):
         def _linear(self, flat: torch.Tensor) -> torch.Tensor:
             out = (flat[:, None, :].double() * self.weight[None].double()).sum(-1).to(flat.dtype)
-            return out + torch.finfo(out.dtype).eps if len(flat) < rows_needed else out
+            return out + torch.finfo(out.dtype).eps if rounds(len(flat)) else out
 
-    return RoundsShortCalls
+    return RoundsSomeCalls
 
 
 @pytest.mark.parametrize("rows_needed, padded_to", [(1, 1), (2, 2), (3, 4), (9, 16), (20, EXACT_ROWS)])
 def test_short_calls_are_padded_as_far_as_the_kernel_needs(rows_needed, padded_to):
-    kind = _rounding_below(rows_needed)
+    kind = _rounding_where(lambda rows: rows < rows_needed)
     assert fewest_exact_rows(kind, 12, 8, False, torch.float32, torch.device("cpu")) == padded_to
     frozen = kind(torch.randn(12, 8), min_rows=padded_to)
     x = torch.randn(EXACT_ROWS, 8)
@@ -95,29 +97,20 @@ def test_freeze_linears_keeps_outputs_and_state_dict():
     assert list(module.state_dict()) == keys
 
 
-def _rounding_above(rows: int) -> type[FrozenLinear]:
-    """Row by row (exact by construction), then off by a rounding in calls of more than `rows`
-    rows: a kernel that takes another path for long calls (a prefill chunk in the step)."""
-
-    class RoundsLongCalls(FrozenLinear):
-        def _linear(self, flat: torch.Tensor) -> torch.Tensor:
-            out = (flat[:, None, :].double() * self.weight[None].double()).sum(-1).to(flat.dtype)
-            return out + torch.finfo(out.dtype).eps if len(flat) > rows else out
-
-    return RoundsLongCalls
-
-
-@pytest.mark.parametrize("rows", [EXACT_ROWS, 100, 511, 512])
+@pytest.mark.parametrize("rows", [EXACT_ROWS, 99, 1023, 1024])
 def test_long_calls_are_split_where_the_kernel_rounds_them_differently(rows):
-    kind = _rounding_above(rows)
+    """A kernel off in calls of more than `rows` rows: measured, and split where it is."""
+    kind = _rounding_where(lambda n: n > rows)
     agree = large_calls_agree(kind, 12, 8, False, torch.float32, torch.device("cpu"))
     assert agree == (rows >= max(LARGE_CALL_ROWS))
     frozen = kind(torch.randn(12, 8), split_large=not agree)
-    x = torch.randn(600, 8)
-    pieces = torch.cat([frozen(x[i:i + EXACT_ROWS]) for i in range(0, 600, EXACT_ROWS)])
-    assert torch.equal(frozen(x[:rows]), pieces[:rows])
-    assert torch.equal(frozen(x[None, :70]), pieces[None, :70])  # any leading shape
-    assert torch.equal(frozen(x), pieces) == (not agree or rows >= 600)
+    x = torch.randn(1100, 8)
+    pieces = torch.cat([frozen(x[i:i + EXACT_ROWS]) for i in range(0, len(x), EXACT_ROWS)])
+    if not agree:
+        assert torch.equal(frozen(x[:rows + 1]), pieces[:rows + 1])
+        assert torch.equal(frozen(x[None, :rows + 7]), pieces[None, :rows + 7])  # any leading shape
+    else:  # beyond what was measured, a long call is taken as it is
+        assert not torch.equal(frozen(x), pieces)
 
 
 @needs_packing

@@ -17,9 +17,10 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #define DLITE_DECODE_FLOAT 1  // float32 caches: AVX-512 F
 #if defined(__AVX512BF16__)
@@ -31,9 +32,8 @@ namespace {
 
 #ifdef DLITE_DECODE_FLOAT
 
-constexpr int64_t kMaxDim = 128;  // head dims handled here: 64 and 128
-constexpr int64_t kChunk = 256;   // chunk c holds positions [c * kChunk, (c + 1) * kChunk)
-constexpr int64_t kBlock = 16;    // keys scored together (one vector of scores)
+constexpr int64_t kChunk = 256;  // chunk c holds positions [c * kChunk, (c + 1) * kChunk)
+constexpr int64_t kBlock = 16;   // keys scored together (one vector of scores)
 
 // exp(x) for x <= 0, 16 at a time (Cephes' expf: Cody-Waite reduction, degree-6 polynomial).
 inline __m512 exp_nonpositive(__m512 x) {
@@ -74,10 +74,11 @@ inline __mmask16 first_lanes(int64_t n) {
 }
 
 // What differs between cache dtypes: how a query row is dotted with a key, and how values
-// are read and written. Elem is the element as stored; Out the tensor's element type.
-struct Float32 {
+// are read. Elem is the element as the cache stores it; Out the output tensor's element.
+struct F32Cache {
   using Elem = float;
   using Out = float;
+  static constexpr bool kStagesValues = false;  // values are read where they lie
   template <int64_t D>
   struct Query {  // q . k in 16 lanes of partial sums
     __m512 v[D / 16];
@@ -90,13 +91,13 @@ struct Float32 {
       return acc;
     }
   };
-  static __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 };
 
 #ifdef DLITE_DECODE_BF16
-struct BFloat16 {
+struct Bf16Cache {
   using Elem = uint16_t;
   using Out = at::BFloat16;
+  static constexpr bool kStagesValues = true;  // values are widened to float once per chunk
   template <int64_t D>
   struct Query {  // q . k by the bf16 dot-product instruction: 32 products a vector
     __m512bh v[D / 32];
@@ -110,26 +111,30 @@ struct BFloat16 {
     }
   };
   static __m512 load16(const uint16_t* x) {  // bf16 -> float is a 16-bit shift
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
   }
 };
 #endif
 
+template <int64_t D>
 struct Partial {  // one row's softmax over one chunk
+  static_assert(D % 32 == 0, "whole vectors of bf16 pairs");
   float max = -INFINITY, sum = 0.f;
-  alignas(64) float values[kMaxDim];
+  alignas(64) float values[D];
 };
 
 // One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements;
-// values: the chunk's values as float [kChunk][D].
+// values: pointers to each key's value as D floats.
 template <int64_t D, typename Q, typename Elem>
-void attend_chunk(const Q& q, const Elem* const* keys, const float* values, int64_t seen, float scale,
-                  float* scores, Partial& out) {
+void attend_chunk(const Q& q, const Elem* const* keys, const float* const* values, int64_t seen, float scale,
+                  float* scores, Partial<D>& out) {
   const int64_t blocks = (seen + kBlock - 1) / kBlock;
   __m512 max = _mm512_set1_ps(-INFINITY);
   for (int64_t b = 0; b < blocks; ++b) {
     __m512 dots[kBlock];
-    for (int64_t i = 0; i < kBlock; ++i) dots[i] = q.dot(keys[std::min(b * kBlock + i, seen - 1)]);  // past `seen`: masked below
+    for (int64_t i = 0; i < kBlock; ++i)
+      dots[i] = q.dot(keys[std::min(b * kBlock + i, seen - 1)]);  // past `seen`: masked below
     const __mmask16 valid = first_lanes(seen - b * kBlock);
     const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
                                         _mm512_mul_ps(sum_lanes_of_each(dots), _mm512_set1_ps(scale)));
@@ -141,7 +146,8 @@ void attend_chunk(const Q& q, const Elem* const* keys, const float* values, int6
   __m512 sum = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {  // masked keys: exp(-inf - max) = 0 (clamped: tiny, then zeroed)
     const __mmask16 valid = first_lanes(seen - b * kBlock);
-    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(scores + b * kBlock), m)));
+    const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(scores + b * kBlock), m);
+    const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(shifted));
     _mm512_storeu_ps(scores + b * kBlock, p);
     sum = _mm512_add_ps(sum, p);
   }
@@ -150,14 +156,14 @@ void attend_chunk(const Q& q, const Elem* const* keys, const float* values, int6
   for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < seen; ++j) {
     const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + j * D + 16 * d), acc[d]);
+    for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values[j] + 16 * d), acc[d]);
   }
   for (int64_t d = 0; d < D / 16; ++d) _mm512_store_ps(out.values + 16 * d, acc[d]);
 }
 
 // One row's chunks merged in order into its output (D elements).
 template <int64_t D, typename Out>
-void merge_chunks(const Partial* const* parts, int64_t count, Out* out) {
+void merge_chunks(const Partial<D>* const* parts, int64_t count, Out* out) {
   float max = -INFINITY, sum = 0.f;
   for (int64_t c = 0; c < count; ++c) max = std::max(max, parts[c]->max);
   __m512 acc[D / 16];
@@ -174,43 +180,54 @@ void merge_chunks(const Partial* const* parts, int64_t count, Out* out) {
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<Out>(merged[d]);
 }
 
-template <typename Type, int64_t D>
+// A key's value as D floats: where it lies for a float32 cache, else widened into `staged`.
+template <typename Cache, int64_t D>
+const float* stage_value(const typename Cache::Elem* value, float* staged) {
+  if constexpr (!Cache::kStagesValues) {
+    return value;
+  } else {
+    for (int64_t d = 0; d < D / 16; ++d) _mm512_storeu_ps(staged + 16 * d, Cache::load16(value + 16 * d));
+    return staged;
+  }
+}
+
+template <typename Cache, int64_t D>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      const int64_t* slot, int64_t first) {
-  using Elem = typename Type::Elem;
-  using Out = typename Type::Out;
+  using Elem = typename Cache::Elem;
+  using Out = typename Cache::Out;
   const int64_t t = q.size(0), hq = q.size(1), hkv = k_cache.size(0), num_slots = k_cache.size(1), ctx = first + t;
   const int64_t group = hq / hkv, rows = group * t, chunks = (ctx + kChunk - 1) / kChunk;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const auto* qp = reinterpret_cast<const Elem*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
-  std::vector<Partial> partials(hkv * chunks * rows);
+  std::vector<Partial<D>> partials(hkv * chunks * rows);
   // Work items (KV head, chunk); each fills its own partials, so threads change nothing.
   const int64_t grain = hkv * ctx * rows < (1 << 14) ? hkv * chunks : 1;
   at::parallel_for(0, hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<const Elem*> keys(kChunk);
-    std::vector<float> values(kChunk * D);
+    std::vector<const float*> values(kChunk);
+    std::vector<float> staged(Cache::kStagesValues ? kChunk * D : 0);
     alignas(64) float scores[kChunk];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t offset = (h * num_slots + slot[start + j]) * D;
         keys[j] = kp + offset;
-        for (int64_t d = 0; d < D / 16; ++d)
-          _mm512_storeu_ps(values.data() + j * D + 16 * d, Type::load16(vp + offset + 16 * d));
+        values[j] = stage_value<Cache, D>(vp + offset, staged.data() + j * D);
       }
       for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
         const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
         if (seen <= 0) continue;  // the chunk lies wholly after the row's position
-        const typename Type::template Query<D> qr(qp + (token * hq + h * group + r % group) * D);
+        const typename Cache::template Query<D> qr(qp + (token * hq + h * group + r % group) * D);
         attend_chunk<D>(qr, keys.data(), values.data(), seen, scale, scores, partials[(h * chunks + c) * rows + r]);
       }
     }
   });
   auto out = torch::empty_like(q);
   auto* op = reinterpret_cast<Out*>(out.data_ptr());
-  std::vector<const Partial*> parts(chunks);
+  std::vector<const Partial<D>*> parts(chunks);
   for (int64_t h = 0; h < hkv; ++h) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = r / group, count = (first + token) / kChunk + 1;
@@ -221,34 +238,39 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   return out;
 }
 
-template <typename Type>
+template <typename Cache>
 torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const int64_t* slot, int64_t first) {
-  return q.size(2) == 64 ? attend<Type, 64>(q, k_cache, v_cache, slot, first)
-                         : attend<Type, 128>(q, k_cache, v_cache, slot, first);
+  switch (q.size(2)) {
+    case 64: return attend<Cache, 64>(q, k_cache, v_cache, slot, first);
+    case 128: return attend<Cache, 128>(q, k_cache, v_cache, slot, first);
+    default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(2), " is not 64 or 128");
+  }
 }
 
 #endif  // DLITE_DECODE_FLOAT
 
-// The cache dtypes this build attends ("float32", "bfloat16"; none without AVX-512).
-std::vector<std::string> dtypes() {
-  std::vector<std::string> names;
+// The cache dtypes this build attends (none without AVX-512).
+std::vector<std::pair<at::ScalarType, std::string>> built_dtypes() {
+  std::vector<std::pair<at::ScalarType, std::string>> built;
 #ifdef DLITE_DECODE_FLOAT
-  names.push_back("float32");
+  built.emplace_back(at::kFloat, "float32");
 #endif
 #ifdef DLITE_DECODE_BF16
-  names.push_back("bfloat16");
+  built.emplace_back(at::kBFloat16, "bfloat16");
 #endif
+  return built;
+}
+
+std::vector<std::string> dtypes() {
+  std::vector<std::string> names;
+  for (const auto& [dtype, name] : built_dtypes()) names.push_back(name);
   return names;
 }
 
 bool attends(at::ScalarType dtype) {
-#ifdef DLITE_DECODE_BF16
-  if (dtype == at::kBFloat16) return true;
-#endif
-#ifdef DLITE_DECODE_FLOAT
-  if (dtype == at::kFloat) return true;
-#endif
+  for (const auto& [built, name] : built_dtypes())
+    if (built == dtype) return true;
   return false;
 }
 
@@ -275,12 +297,12 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
   for (int64_t i = 0; i < ctx; ++i)
     TORCH_CHECK(0 <= slot[i] && slot[i] < k_cache.size(1), "decode_attention: slot ", slot[i], " outside the cache");
 #ifdef DLITE_DECODE_BF16
-  if (dtype == at::kBFloat16) return attend_head_dim<BFloat16>(q, k_cache, v_cache, slot, first);
+  if (dtype == at::kBFloat16) return attend_head_dim<Bf16Cache>(q, k_cache, v_cache, slot, first);
 #endif
 #ifdef DLITE_DECODE_FLOAT
-  return attend_head_dim<Float32>(q, k_cache, v_cache, slot, first);
+  return attend_head_dim<F32Cache>(q, k_cache, v_cache, slot, first);
 #else
-  return q;  // unreachable: `attends` refused every dtype
+  TORCH_INTERNAL_ASSERT(false, "unreachable: `attends` refused every dtype");
 #endif
 }
 
