@@ -124,10 +124,22 @@ struct Partial {  // one row's softmax over one chunk
   alignas(64) float values[D];
 };
 
-// One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements;
-// values: pointers to each key's value as D floats.
-template <int64_t D, typename Q, typename Elem>
-void attend_chunk(const Q& q, const Elem* const* keys, const float* const* values, int64_t seen, float scale,
+// Where each key's value lies as D floats: widened into one contiguous buffer (a bf16 cache),
+// or where the cache holds it (float32). Indexing a buffer keeps the P.V loop at its speed.
+template <int64_t D>
+struct StagedValues {
+  const float* base;
+  const float* operator[](int64_t j) const { return base + j * D; }
+};
+
+struct ValuesInCache {
+  const float* const* rows;
+  const float* operator[](int64_t j) const { return rows[j]; }
+};
+
+// One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements.
+template <int64_t D, typename Q, typename Elem, typename Values>
+void attend_chunk(const Q& q, const Elem* const* keys, const Values& values, int64_t seen, float scale,
                   float* scores, Partial<D>& out) {
   const int64_t blocks = (seen + kBlock - 1) / kBlock;
   __m512 max = _mm512_set1_ps(-INFINITY);
@@ -180,17 +192,6 @@ void merge_chunks(const Partial<D>* const* parts, int64_t count, Out* out) {
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<Out>(merged[d]);
 }
 
-// A key's value as D floats: where it lies for a float32 cache, else widened into `staged`.
-template <typename Cache, int64_t D>
-const float* stage_value(const typename Cache::Elem* value, float* staged) {
-  if constexpr (!Cache::kStagesValues) {
-    return value;
-  } else {
-    for (int64_t d = 0; d < D / 16; ++d) _mm512_storeu_ps(staged + 16 * d, Cache::load16(value + 16 * d));
-    return staged;
-  }
-}
-
 template <typename Cache, int64_t D>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      const int64_t* slot, int64_t first) {
@@ -207,21 +208,30 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const int64_t grain = hkv * ctx * rows < (1 << 14) ? hkv * chunks : 1;
   at::parallel_for(0, hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<const Elem*> keys(kChunk);
-    std::vector<const float*> values(kChunk);
+    std::vector<const float*> value_rows(Cache::kStagesValues ? 0 : kChunk);
     std::vector<float> staged(Cache::kStagesValues ? kChunk * D : 0);
+    const auto values = [&] {
+      if constexpr (Cache::kStagesValues) return StagedValues<D>{staged.data()};
+      else return ValuesInCache{value_rows.data()};
+    }();
     alignas(64) float scores[kChunk];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t offset = (h * num_slots + slot[start + j]) * D;
         keys[j] = kp + offset;
-        values[j] = stage_value<Cache, D>(vp + offset, staged.data() + j * D);
+        if constexpr (Cache::kStagesValues) {
+          for (int64_t d = 0; d < D / 16; ++d)
+            _mm512_storeu_ps(staged.data() + j * D + 16 * d, Cache::load16(vp + offset + 16 * d));
+        } else {
+          value_rows[j] = reinterpret_cast<const float*>(vp + offset);
+        }
       }
       for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
         const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
         if (seen <= 0) continue;  // the chunk lies wholly after the row's position
         const typename Cache::template Query<D> qr(qp + (token * hq + h * group + r % group) * D);
-        attend_chunk<D>(qr, keys.data(), values.data(), seen, scale, scores, partials[(h * chunks + c) * rows + r]);
+        attend_chunk<D>(qr, keys.data(), values, seen, scale, scores, partials[(h * chunks + c) * rows + r]);
       }
     }
   });
