@@ -126,18 +126,14 @@ def attends_decode_rows(q: torch.Tensor) -> bool:
     """Whether `decode_attention` serves these query rows [T, Hq, Dh]: a head dim of 64 or
     128, in inference, on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16); else the CPU
     flash kernel does."""
-    return q.shape[-1] in (64, 128) and _fused(q) is not None and dtype_name(q.dtype) in decode_attention_dtypes()
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """'float32', 'bfloat16', ...: how the kernels name a dtype."""
-    return str(dtype).removeprefix("torch.")
+    return q.shape[-1] in (64, 128) and _fused(q) is not None and q.dtype in decode_attention_dtypes()
 
 
 @functools.cache
-def decode_attention_dtypes() -> frozenset[str]:
+def decode_attention_dtypes() -> frozenset[torch.dtype]:
     """The cache dtypes the build's decode kernel attends (asked once, not in every layer)."""
-    return frozenset(kernels().decode_attention_dtypes()) if kernels() is not None else frozenset()
+    names = kernels().decode_attention_dtypes() if kernels() is not None else []
+    return frozenset(getattr(torch, name) for name in names)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,

@@ -73,12 +73,18 @@ inline __mmask16 first_lanes(int64_t n) {
   return n >= kBlock ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
 }
 
-// What differs between cache dtypes: how a query row is dotted with a key, and how values
-// are read. Elem is the element as the cache stores it; Out the output tensor's element.
+// What differs between cache dtypes: how a query row is dotted with a key, and where a
+// chunk's values are read as floats. Elem is the element as the cache stores it; Out the
+// output tensor's element.
 struct F32Cache {
   using Elem = float;
   using Out = float;
-  static constexpr bool kStagesValues = false;  // values are read where they lie
+  template <int64_t D>
+  struct Values {  // read where the cache holds them
+    std::vector<const float*> rows = std::vector<const float*>(kChunk);
+    void set(int64_t j, const float* value) { rows[j] = value; }
+    const float* operator[](int64_t j) const { return rows[j]; }
+  };
   template <int64_t D>
   struct Query {  // q . k in 16 lanes of partial sums
     __m512 v[D / 16];
@@ -97,7 +103,14 @@ struct F32Cache {
 struct Bf16Cache {
   using Elem = uint16_t;
   using Out = at::BFloat16;
-  static constexpr bool kStagesValues = true;  // values are widened to float once per chunk
+  template <int64_t D>
+  struct Values {  // widened into one contiguous buffer: indexing it keeps the P.V loop at its speed
+    std::vector<float> staged = std::vector<float>(kChunk * D);
+    void set(int64_t j, const uint16_t* value) {
+      for (int64_t d = 0; d < D / 16; ++d) _mm512_storeu_ps(staged.data() + j * D + 16 * d, load16(value + 16 * d));
+    }
+    const float* operator[](int64_t j) const { return staged.data() + j * D; }
+  };
   template <int64_t D>
   struct Query {  // q . k by the bf16 dot-product instruction: 32 products a vector
     __m512bh v[D / 32];
@@ -124,20 +137,8 @@ struct Partial {  // one row's softmax over one chunk
   alignas(64) float values[D];
 };
 
-// Where each key's value lies as D floats: widened into one contiguous buffer (a bf16 cache),
-// or where the cache holds it (float32). Indexing a buffer keeps the P.V loop at its speed.
-template <int64_t D>
-struct StagedValues {
-  const float* base;
-  const float* operator[](int64_t j) const { return base + j * D; }
-};
-
-struct ValuesInCache {
-  const float* const* rows;
-  const float* operator[](int64_t j) const { return rows[j]; }
-};
-
-// One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements.
+// One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements;
+// values[j]: key j's value as D floats.
 template <int64_t D, typename Q, typename Elem, typename Values>
 void attend_chunk(const Q& q, const Elem* const* keys, const Values& values, int64_t seen, float scale,
                   float* scores, Partial<D>& out) {
@@ -208,24 +209,14 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   const int64_t grain = hkv * ctx * rows < (1 << 14) ? hkv * chunks : 1;
   at::parallel_for(0, hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<const Elem*> keys(kChunk);
-    std::vector<const float*> value_rows(Cache::kStagesValues ? 0 : kChunk);
-    std::vector<float> staged(Cache::kStagesValues ? kChunk * D : 0);
-    const auto values = [&] {
-      if constexpr (Cache::kStagesValues) return StagedValues<D>{staged.data()};
-      else return ValuesInCache{value_rows.data()};
-    }();
+    typename Cache::template Values<D> values;
     alignas(64) float scores[kChunk];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
       for (int64_t j = 0; j < count; ++j) {
         const int64_t offset = (h * num_slots + slot[start + j]) * D;
         keys[j] = kp + offset;
-        if constexpr (Cache::kStagesValues) {
-          for (int64_t d = 0; d < D / 16; ++d)
-            _mm512_storeu_ps(staged.data() + j * D + 16 * d, Cache::load16(vp + offset + 16 * d));
-        } else {
-          value_rows[j] = reinterpret_cast<const float*>(vp + offset);
-        }
+        values.set(j, vp + offset);
       }
       for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
         const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
