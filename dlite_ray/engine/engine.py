@@ -19,6 +19,7 @@ from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
+from dlite_ray.engine.trace import Trace
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -39,6 +40,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str | None
     stats: dict[str, Any] = field(default_factory=dict)
+    trace: Trace | None = None  # with trace_top_k > 0
 
 
 @dataclass(slots=True)
@@ -86,9 +88,12 @@ class DLiteEngine:
                  adaptive_draft_length: bool = True, lookup_tokens: int | None = None,
                  max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
                  block_size: int = KV_BLOCK_SIZE, attention_backend: str = "auto", enable_prefix_cache: bool = True,
-                 scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64):
+                 scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64,
+                 tap_layers: tuple[int, ...] | None = None):
+        """tap_layers: target layers whose hidden states each forward returns (for the
+        draft's pivot features and request traces); the draft's, none without a draft."""
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
-        tap_layers = draft.info.target_layer_ids if draft else ()
+        tap_layers = _tap_layers(draft, tap_layers, target.cfg.num_layers)
         self.runner = ModelRunner(target, tap_layers, max_kv_tokens, block_size, attention_backend,
                                   enable_prefix_cache)
         self.eos_ids = _eos_ids(target, tokenizer)
@@ -170,6 +175,9 @@ class DLiteEngine:
         """Queue a request. With `lease` (a conversation's name), its KV and boundary
         features stay pinned after it finishes, until `release_lease(lease)`."""
         seq = Sequence(self.encode(prompt), params)
+        if params.trace_top_k > self.target.cfg.vocab_size:
+            raise InvalidRequest(f"trace_top_k={params.trace_top_k} exceeds the vocabulary "
+                                 f"({self.target.cfg.vocab_size})")
         if request_id is not None:
             if request_id in self._by_id:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
@@ -263,19 +271,21 @@ class DLiteEngine:
     # -- the library API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
-                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, trace_top_k: int = 0,
                  callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
 
         A prompt is a string, a list of chat messages ({"role", "content"}) or token ids.
         `callback(request_index, new_token_ids)` streams tokens as they are committed.
+        `trace_top_k` > 0 returns each result's `Trace` (the engine's tap features and the
+        target's top-k distribution at every output position).
         """
         batch = prompts if _is_batch(prompts) else [prompts]
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
         seqs = []
         for i, ids in enumerate(encoded):
             params = SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i,
-                                    verify_mode, tuple(stop_token_ids), ignore_eos)
+                                    verify_mode, tuple(stop_token_ids), ignore_eos, trace_top_k)
             seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}
         try:
@@ -292,7 +302,7 @@ class DLiteEngine:
     def result(self, seq: Sequence) -> GenerationResult:
         ids = [t for t in seq.output_ids if t not in self.eos_ids]
         return GenerationResult(self.tokenizer.decode(ids, skip_special_tokens=True), seq.output_ids,
-                                seq.finish_reason, stats_dict(seq))
+                                seq.finish_reason, stats_dict(seq), seq.trace)
 
 
 def stats_dict(seq: Sequence) -> dict[str, Any]:
@@ -325,6 +335,19 @@ def default_draft_dir() -> Path | None:
         return path
     log.warning("no default draft shipped at %s: plain decoding", path)
     return None
+
+
+def _tap_layers(draft: DraftTransport | None, asked: tuple[int, ...] | None, num_layers: int) -> tuple[int, ...]:
+    """The target layers to tap: the draft reads its own, so others are refused with one."""
+    own = tuple(draft.info.target_layer_ids) if draft else ()
+    if asked is None:
+        return own
+    asked = tuple(asked)
+    if draft is not None and asked != own:
+        raise ValueError(f"tap_layers {asked} differ from the draft's {own}")
+    if any(not 0 <= i < num_layers for i in asked):
+        raise ValueError(f"tap_layers {asked} must lie in [0, {num_layers})")
+    return asked
 
 
 def _is_batch(prompts) -> bool:

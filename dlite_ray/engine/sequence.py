@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlite_ray.engine.trace import Trace
 from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, VERIFY_MODES
 
 
@@ -26,6 +27,7 @@ class SamplingParams:
     verify_mode: str | None = None  # None: greedy at T = 0, else rejection
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, distribution tests)
+    trace_top_k: int = 0  # > 0: keep a Trace of each output position (tap features, top-k distribution)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -34,6 +36,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        if self.trace_top_k < 0:
+            raise InvalidRequest(f"trace_top_k must be >= 0, got {self.trace_top_k}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.verify_mode is not None and self.verify_mode not in VERIFY_MODES:
@@ -107,6 +111,7 @@ class Sequence:
     finish_reason: str | None = None
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
+    trace: Trace | None = None  # with params.trace_top_k > 0: a row per output token
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -116,6 +121,8 @@ class Sequence:
         self.num_prompt_tokens = len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.trace_top_k > 0:
+            self.trace = Trace(self.params.trace_top_k)
 
     @property
     def prompt_ids(self) -> list[int]:

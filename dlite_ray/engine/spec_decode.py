@@ -115,6 +115,9 @@ class SpecDecoder:
             a, out, tokens, copied = accepted[i], outs[i], proposal.tokens[i], proposal.copied[i]
             # tokens first: committing publishes full blocks, hashed by the tokens they hold
             emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
+            if seq.trace is not None:  # verify row m chose the m-th token kept
+                kept = len(emitted[seq])
+                seq.trace.add(out.logits[:kept], out.taps[:kept] if out.taps is not None else None)
             self.runner.commit(seq, seq.num_computed + a + 1)
             seq.pivot_features = out.taps[a] if out.taps is not None else None
             st = seq.stats

@@ -1,4 +1,4 @@
-"""`dlite-ray train`: prompts -> target replies -> target features -> [teacher ->] student -> draft.
+"""`dlite-ray train`: prompts -> target replies and features -> [teacher ->] student -> draft.
 
 With --teacher-steps 0 the student is trained in one stage (CE + TV); otherwise a
 sliding-window teacher is trained first and the student learns under its head
@@ -24,15 +24,7 @@ from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, frequent_tokens, load_draft_vocab, save_draft_vocab
 from dlite_ray.training.batches import all_anchors
-from dlite_ray.training.data import (
-    Record,
-    dataset_bytes,
-    extract_records,
-    generate_conversations,
-    label_counts,
-    load_records,
-    save_records,
-)
+from dlite_ray.training.data import Record, answer_prompts, dataset_bytes, label_counts, load_records, save_records
 from dlite_ray.training.prompts import build_prompt_set
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
 from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
@@ -64,10 +56,10 @@ def init_weights(draft: DLiteDraftModel, directory: Path) -> None:
     log.info("student starts from %s", directory)
 
 
-def _target_engine(target: str | None, dtype: str) -> DLiteEngine:
+def _target_engine(target: str | None, dtype: str, tap_layers: tuple[int, ...] = ()) -> DLiteEngine:
     # 64 replies in flight: 1.25x the reply tokens/s of 32 on 128 BFCL/code prompts in bf16
     # (207 -> 166 s); a 4096-token step budget did not help (177 s).
-    return DLiteEngine.from_pretrained(target, draft=None, dtype=dtype,
+    return DLiteEngine.from_pretrained(target, draft=None, dtype=dtype, tap_layers=tap_layers,
                                        scheduler=SchedulerConfig(max_num_seqs=64, max_batch_tokens=2048))
 
 
@@ -82,7 +74,7 @@ def _target_hf_config(engine: DLiteEngine) -> dict:
             "eos_token_id": list(c.eos_token_ids)}
 
 
-def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args) -> tuple[list, list]:
+def build_data(engine: DLiteEngine, out: Path, args) -> tuple[list, list]:
     paths = {split: out / f"data_{split}.pt" for split in ("train", "dev")}
     if all(p.exists() for p in paths.values()):
         return load_records(paths["train"]), load_records(paths["dev"])
@@ -90,16 +82,16 @@ def build_data(engine: DLiteEngine, out: Path, tap_layers: tuple[int, ...], args
     log.info("prompts: %d train, %d dev", len(prompts.train), len(prompts.dev))
     result = {}
     for split, samples in (("train", prompts.train), ("dev", prompts.dev)):
-        records = records_in_parts(engine, samples, paths[split], tap_layers, args.max_new_tokens)
+        records = records_in_parts(engine, samples, paths[split], args.max_new_tokens)
         log.info("%s: %d sequences, %d positions, %.1f MB", split, len(records),
                  sum(r.argmax.numel() for r in records), dataset_bytes(records) / 1e6)
         result[split] = records
     return result["train"], result["dev"]
 
 
-def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers: tuple[int, ...],
-                     max_new_tokens: int, part_size: int = 128) -> list:
-    """Replies and features for `samples`, saved every `part_size` prompts next to `path`
+def records_in_parts(engine: DLiteEngine, samples: list, path: Path, max_new_tokens: int,
+                     part_size: int = 128) -> list:
+    """Records (replies and features) for `samples`, saved every `part_size` prompts next to `path`
     so an interrupted run resumes at the last finished part; `path` holds them all at the end.
     Parts are numbered by their place in `samples`, so a rerun must ask for the same prompts
     (same prompt arguments); other prompts need a fresh --out."""
@@ -107,8 +99,7 @@ def records_in_parts(engine: DLiteEngine, samples: list, path: Path, tap_layers:
     for i in range(0, len(samples), part_size):
         part = path.with_name(f"{path.stem}.part{i // part_size:03d}.pt")
         if not part.exists():
-            convs = generate_conversations(engine, samples[i:i + part_size], max_new_tokens)
-            save_records(extract_records(engine, convs, tap_layers), part)
+            save_records(answer_prompts(engine, samples[i:i + part_size], max_new_tokens), part)
         records += load_records(part)
     save_records(records, path)
     for part in path.parent.glob(f"{path.stem}.part*.pt"):
@@ -127,7 +118,7 @@ def earlier_data(dirs: list[str]) -> tuple[list, list]:
     return train_records, dev_records
 
 
-def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[int, ...], args) -> list:
+def extend_data(engine: DLiteEngine, out: Path, have: list, args) -> list:
     """More training data on top of earlier runs' (`--extend-from`): prompts whose tokens
     match none of the earlier sequences (train or dev), train split only; the earlier dev
     split stays the dev split, so nothing leaks into it."""
@@ -139,7 +130,7 @@ def extend_data(engine: DLiteEngine, out: Path, have: list, tap_layers: tuple[in
     new = [s for s in bigger.train + bigger.dev
            if not s.later_turns and tuple(engine.encode(s.messages)) not in seen][:args.new_prompts]
     log.info("extra prompts, new to this target's data: %d", len(new))
-    records = records_in_parts(engine, new, path, tap_layers, args.max_new_tokens)
+    records = records_in_parts(engine, new, path, args.max_new_tokens)
     log.info("extra: %d sequences, %d positions, %.1f MB", len(records), sum(r.argmax.numel() for r in records),
              dataset_bytes(records) / 1e6)
     return records
@@ -237,20 +228,20 @@ def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    engine = data_engine = _target_engine(args.target, "float32")
-    if args.data_dtype != "float32":
-        data_engine = _target_engine(args.target, args.data_dtype)
+    engine = _target_engine(args.target, "float32")
     draft = new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed)
     if args.init_from:
         init_weights(draft, Path(args.init_from))
     tap_layers = tuple(draft.cfg.target_layer_ids)
     log.info("draft: %d layers, S=%d %s, R=%d, %.1fM trainable parameters", args.layers, len(tap_layers),
              list(tap_layers), args.rank, sum(p.numel() for p in draft.checkpoint_state().values()) / 1e6)
+    data_engine = _target_engine(args.target, args.data_dtype, tap_layers)
     if args.extend_from:
         train_records, dev_records = earlier_data(args.extend_from)
-        train_records = train_records + extend_data(data_engine, out, train_records + dev_records, tap_layers, args)
+        train_records = train_records + extend_data(data_engine, out, train_records + dev_records, args)
     else:
-        train_records, dev_records = build_data(data_engine, out, tap_layers, args)
+        train_records, dev_records = build_data(data_engine, out, args)
+    del data_engine  # its weights and KV pool are not needed for training
     log.info("training on %d positions, dev %d", sum(r.argmax.numel() for r in train_records),
              sum(r.argmax.numel() for r in dev_records))
     k = args.block_size - 1

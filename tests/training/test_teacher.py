@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dlite_ray.training.batches import all_anchors, history_window, make_batch
-from dlite_ray.training.data import Record, extract_records
+from dlite_ray.training.data import Record
 from dlite_ray.training.teacher import (
     WindowTeacher,
     adopt_teacher_head,
@@ -40,8 +40,7 @@ def test_history_window_is_the_w_positions_before_the_pivot_right_aligned():
 
 
 def _teacher_and_batch(tmp_path, window=5):
-    target, draft, engine, convs = _records(tmp_path)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    target, draft, _engine, records = _records(tmp_path)
     teacher = WindowTeacher(random_draft(target, read_config(tmp_path / "t"), seed=3), window).eval()
     anchors = [(0, 1), (0, 9), (1, 12)]  # a short history (1 entry) and two full ones
     return target, draft, teacher, records, anchors
@@ -91,8 +90,7 @@ def test_blend_runs_from_kl_to_direct_loss():
 
 
 def test_two_stages_learn_and_stage_one_keeps_the_teacher_head(tmp_path):
-    target, draft, engine, convs = _records(tmp_path)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    target, draft, _engine, records = _records(tmp_path)
     anchors = all_anchors(records, K)
     cfg = TrainConfig(steps=50, batch_size=32, lr=3e-3, warmup=5, eval_every=50, checkpoint_every=50,
                       bf16_autocast=False)
@@ -126,8 +124,7 @@ def test_two_stages_learn_and_stage_one_keeps_the_teacher_head(tmp_path):
 
 
 def test_both_stages_train_over_the_drafts_vocabulary(tmp_path):
-    target, draft, engine, convs = _records(tmp_path)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    target, draft, _engine, records = _records(tmp_path)
     anchors = all_anchors(records, K)[:16]
     vocab = TrainingVocabulary(torch.arange(0, 128, 4), vocab_size=128)
     cfg = TrainConfig(bf16_autocast=False)

@@ -17,7 +17,9 @@ from dlite_ray.runtime.draft_vocab import frequent_tokens, load_draft_vocab, sav
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training import pipeline
 from dlite_ray.training.batches import all_anchors, chain_mask, make_batch
-from dlite_ray.training.data import Record, extract_records, label_counts, load_records, save_records
+from dlite_ray.engine.model_runner import ModelRunner, RowInput
+from dlite_ray.engine.sequence import SamplingParams, Sequence
+from dlite_ray.training.data import TOP_K, Record, answer_prompts, label_counts, load_records, record_of, save_records
 from dlite_ray.training.pipeline import init_weights, write_draft_vocab
 from dlite_ray.training.trainer import (
     Objective,
@@ -34,30 +36,49 @@ from tests.engine.conftest import make_engine, random_draft
 
 
 def _records(tmp_path):
+    """(target, draft, tapping engine, records of its greedy replies to 6 random prompts)."""
     d = make_tiny_checkpoint(tmp_path / "t", "llama")
     target = load_target(d)
-    engine = make_engine(target)
-    rng = random.Random(0)
-    convs = []
-    for _ in range(6):
-        prompt = [rng.randrange(3, 128) for _ in range(rng.randrange(5, 20))]
-        reply = engine.generate(prompt, max_new_tokens=24, ignore_eos=True)[0].token_ids
-        convs.append((prompt + reply, len(prompt)))
     draft = random_draft(target, read_config(d), seed=0)
-    return target, draft, engine, convs
+    engine = make_engine(target, tap_layers=tuple(draft.cfg.target_layer_ids))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128) for _ in range(rng.randrange(5, 20))] for _ in range(6)]
+    replies = engine.generate(prompts, max_new_tokens=24, ignore_eos=True, trace_top_k=TOP_K)
+    return target, draft, engine, [record_of(p, r) for p, r in zip(prompts, replies)]
 
 
-def test_records_hold_target_greedy_labels(tmp_path):
-    target, draft, engine, convs = _records(tmp_path)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
-    for rec, (ids, prompt_len) in zip(records, convs):
-        assert rec.start == prompt_len - 1
-        # in the greedy reply, the target's argmax at each position is the next token
-        assert rec.argmax[:-1].tolist() == ids[prompt_len:]
-        assert rec.features.shape == (len(ids) - rec.start, draft.cfg.num_slots, target.cfg.hidden_size)
+def _one_forward(target, ids: list[int], outputs: int, tap_layers: tuple[int, ...]):
+    """The logits and taps of the last `outputs` positions of one forward over `ids`."""
+    runner = ModelRunner(target, tap_layers, max_kv_tokens=256, block_size=16, attention_backend="sdpa")
+    seq = Sequence(ids, SamplingParams(max_new_tokens=1))
+    with torch.inference_mode():
+        out = runner.forward([RowInput(seq, ids, num_outputs=outputs)])[0]
+    return out.logits, out.taps
+
+
+def test_records_hold_what_one_forward_over_prompt_and_reply_computes(tmp_path):
+    """Recorded while decoding, a record holds at each reply position what a forward over
+    the whole text gives there: the taps, the greedy label, the top-k distribution."""
+    target, draft, _engine, records = _records(tmp_path)
+    for rec in records:
+        n = len(rec.tokens) - 1 - rec.start  # one position per reply token
+        assert rec.features.shape == (n, draft.cfg.num_slots, target.cfg.hidden_size)
+        assert rec.argmax.tolist() == rec.tokens[rec.start + 1:].tolist()  # the reply is the greedy chain
+        logits, taps = _one_forward(target, rec.tokens[:-1].tolist(), n, tuple(draft.cfg.target_layer_ids))
+        torch.testing.assert_close(rec.features.float(), taps.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
+        assert rec.argmax.tolist() == logits.argmax(-1).tolist()
+        probs, ids = logits.softmax(-1).topk(TOP_K, dim=-1)
+        assert rec.top_ids.tolist() == ids.tolist()
+        torch.testing.assert_close(rec.top_probs.float(), probs, atol=1e-3, rtol=1e-2)
     save_records(records, tmp_path / "d.pt")
     again = load_records(tmp_path / "d.pt")
     assert torch.equal(again[0].features, records[0].features)
+
+
+def test_records_need_an_engine_that_taps_the_drafts_layers(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    with pytest.raises(ValueError, match="taps"):
+        answer_prompts(make_engine(load_target(d)), [], max_new_tokens=4)
 
 
 def test_batch_layout():
@@ -88,8 +109,7 @@ def test_chain_mask_keeps_labels_until_the_text_leaves_the_greedy_chain():
 
 
 def test_off_chain_labels_neither_train_nor_count_as_accepted(tmp_path):
-    _target, draft, engine, convs = _records(tmp_path)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
+    _target, draft, _engine, records = _records(tmp_path)
     cfg = TrainConfig(bf16_autocast=False)
     batch = make_batch(records, all_anchors(records, 3)[:8], k=3)
     assert batch.label_mask.eq(1).all()  # a target reply is its own greedy chain
@@ -114,10 +134,9 @@ def test_off_chain_labels_neither_train_nor_count_as_accepted(tmp_path):
 
 def _training_data(tmp_path, k: int):
     """(target, draft with its target embedding frozen, records, anchors) for a tiny run."""
-    target, draft, engine, convs = _records(tmp_path)
+    target, draft, _engine, records = _records(tmp_path)
     for p in draft.embed_tokens.parameters():
         p.requires_grad_(False)
-    records = extract_records(engine, convs, tuple(draft.cfg.target_layer_ids))
     return target, draft, records, all_anchors(records, k)
 
 
@@ -176,20 +195,16 @@ def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
         if len(asked) == 1 and not getattr(answer, "restarted", False):
             raise KeyboardInterrupt  # the run dies during its second part
         asked.append(list(samples))
-        return [([s, s + 1], 1) for s in samples]
+        return [Record(torch.tensor([s, s + 1], dtype=torch.int32), 0, torch.zeros(1, 1, 4, dtype=torch.bfloat16),
+                       torch.tensor([s + 1], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                       torch.ones(1, 1, dtype=torch.float16)) for s in samples]
 
-    def features(engine, convs, taps):
-        return [Record(torch.tensor(ids, dtype=torch.int32), 0, torch.zeros(2, 1, 4, dtype=torch.bfloat16),
-                       torch.tensor(ids, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.int32),
-                       torch.ones(2, 1, dtype=torch.float16)) for ids, _ in convs]
-
-    monkeypatch.setattr(pipeline, "generate_conversations", answer)
-    monkeypatch.setattr(pipeline, "extract_records", features)
+    monkeypatch.setattr(pipeline, "answer_prompts", answer)
     path = tmp_path / "data_extra.pt"
     with pytest.raises(KeyboardInterrupt):
-        pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, (0,), 8, part_size=2)
+        pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, 8, part_size=2)
     answer.restarted = True
-    records = pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, (0,), 8, part_size=2)
+    records = pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, 8, part_size=2)
     assert asked == [[10, 20], [30, 40], [50]]  # the first part was not answered again
     assert [r.tokens[0].item() for r in records] == [10, 20, 30, 40, 50]
     assert [r.tokens[0].item() for r in load_records(path)] == [10, 20, 30, 40, 50]
