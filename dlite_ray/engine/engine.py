@@ -19,8 +19,8 @@ from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
-from dlite_ray.engine.trace import Trace
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
+from dlite_ray.engine.trace import Trace
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target

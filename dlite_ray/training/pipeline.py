@@ -268,6 +268,6 @@ def run(args) -> dict:
     summary["total_seconds"] = time.perf_counter() - started
     summary["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     (out / "summary.json").write_text(json.dumps({k_: v for k_, v in summary.items() if k_ != "history"}, indent=2))
-    log.info("done in %.0f s, peak RSS %.0f MB, dev tau %.3f", summary["total_seconds"], summary["peak_rss_mb"],
-             summary["final_dev"]["tau"])
+    log.info("done in %.0f s, peak RSS %.0f MB, dev tau %.3f (walk %.3f)", summary["total_seconds"],
+             summary["peak_rss_mb"], summary["final_dev"]["tau"], summary["final_dev"]["walk_tau"])
     return summary

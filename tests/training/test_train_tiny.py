@@ -12,18 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from dlite_ray import cli
+from dlite_ray.engine.model_runner import ModelRunner, RowInput
+from dlite_ray.engine.sequence import SamplingParams, Sequence
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import frequent_tokens, load_draft_vocab, save_draft_vocab
 from dlite_ray.runtime.loading import load_target
 from dlite_ray.training import pipeline
 from dlite_ray.training.batches import all_anchors, chain_mask, make_batch
-from dlite_ray.engine.model_runner import ModelRunner, RowInput
-from dlite_ray.engine.sequence import SamplingParams, Sequence
 from dlite_ray.training.data import TOP_K, Record, answer_prompts, label_counts, load_records, record_of, save_records
 from dlite_ray.training.pipeline import init_weights, write_draft_vocab
 from dlite_ray.training.trainer import (
     Objective,
     TrainConfig,
+    decode_walk,
     distillation_loss,
     draft_logits,
     greedy_acceptance,
@@ -102,6 +103,14 @@ def test_batch_layout():
     assert b.labels.tolist() == [[14, 99, 16]] and b.label_mask.tolist() == [[1.0, 1.0, 0.0]]
 
 
+def test_a_decode_walk_drafts_where_the_last_round_ended():
+    # record 0: anchors at 0..9, record 1 at 3..5; round at j accepts A and the next drafts at j + A + 1
+    anchors = [(0, j) for j in range(10)] + [(1, j) for j in (3, 4, 5)]
+    accepted = [2, 0, 0, 1, 0, 0, 3, 0, 0, 0] + [0, 5, 0]
+    walked = [anchors[i] for i in decode_walk(anchors, accepted)]
+    assert walked == [(0, 0), (0, 3), (0, 5), (0, 6), (1, 3), (1, 4)]  # (0, 10) and (1, 10) are no anchors
+
+
 def test_chain_mask_keeps_labels_until_the_text_leaves_the_greedy_chain():
     labels = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]])
     text = torch.tensor([[5, 6, 7], [5, 9, 7], [1, 6, 7]])  # the recorded tokens after the anchor
@@ -124,7 +133,9 @@ def test_off_chain_labels_neither_train_nor_count_as_accepted(tmp_path):
     # acceptance: the draft is made to hit every label; a masked one ends the block
     hit = Objective(draft, None, lambda b, _vocab: F.one_hot(b.labels, 128).float())
     everything = greedy_acceptance(hit, records, all_anchors(records, 3), 3)
-    assert everything["tau"] == 4.0
+    assert everything["tau"] == 4.0 and everything["walk_tau"] == 4.0
+    # 24 reply positions, K = 3: a walk drafts at 0, 4, 8, ..., 20 (21 pivots have K labels)
+    assert everything["walk_rounds"] == 6 * len(records)
     for rec in records:
         rec.tokens = rec.tokens.clone()
         rec.tokens[rec.start + 3] = (rec.tokens[rec.start + 3] + 1) % 128  # the text leaves the chain
