@@ -6,8 +6,9 @@ sequences go in one pass as independent rows [N, S + 1 + K]: attention never cro
 which is the block-diagonal mask of the reference training code without the padding.
 
 A label counts only while the recorded text before it follows the target's greedy chain
-(`chain_mask`): always in a reply, but for the positions where a bf16 feature pass rounded
-to another argmax than generation did.
+(`chain_mask`): always in a traced reply; records made before traces (by a second forward
+per sequence) can hold positions where that pass in bf16 rounded to another argmax than
+generation did.
 
 The stage-0 teacher also gets a window of the W positions before each pivot (their
 recorded features, left-padded where the response is younger than W, with a validity mask).
@@ -40,7 +41,8 @@ class Batch:
 def all_anchors(records: list[Record], k: int) -> list[tuple[int, int]]:
     """(record, relative pivot j) for every pivot with K labels after it whose anchor is the
     target's greedy token there, as every anchor is when drafting at T = 0: all through a
-    reply, but where the feature pass rounded to another argmax than generation did (bf16)."""
+    reply, but where an older record's second forward rounded to another argmax than
+    generation did (bf16)."""
     out = []
     for r, rec in enumerate(records):
         n = rec.argmax.shape[0]
@@ -76,7 +78,8 @@ def chain_mask(text: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     text [N, K-1]: the recorded tokens after the anchor; labels [N, K]: the target's greedy
     token after each of them. Label m was chosen after text[:m], so it continues the chain
     d_1..d_m the draft feeds its head only if text[:m] == labels[:m]: true in a target
-    reply up to a place where the feature pass and generation rounded differently."""
+    reply up to a place where an older record's second forward and generation rounded
+    differently."""
     same = (text == labels[:, :-1]).long().cumprod(dim=1)
     return torch.cat([torch.ones_like(labels[:, :1]), same], dim=1).float()
 
