@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from dlite_ray.engine.engine import DLiteEngine, Prompt, stats_dict
+from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class Chunk:
     finished: bool
     finish_reason: str | None = None
     stats: dict | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
 
 
 class AsyncEngine:
@@ -106,8 +108,9 @@ class AsyncEngine:
             self._snapshot_leases()  # before the final chunks go out: a caller then sees its lease
             for out in outputs:
                 seq = out.seq
-                chunk = Chunk(out.new_token_ids, seq.is_finished, seq.finish_reason,
-                              stats_dict(seq) if seq.is_finished else None)
+                new = out.new_token_ids
+                chunk = Chunk(new, seq.is_finished, seq.finish_reason, stats_dict(seq) if seq.is_finished else None,
+                              seq.logprobs[len(seq.logprobs) - len(new):] if seq.logprobs is not None else None)
                 self._emit(seq.request_id, chunk, final=seq.is_finished)
 
     def _snapshot_leases(self) -> None:

@@ -15,11 +15,13 @@ from dlite_ray.engine.block_manager import OutOfBlocks
 from dlite_ray.engine.boundary_store import BoundaryStore
 from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
+from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
+from dlite_ray.engine.stop_strings import StopStrings, text_before_stop
 from dlite_ray.engine.trace import Trace
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -41,6 +43,7 @@ class GenerationResult:
     finish_reason: str | None
     stats: dict[str, Any] = field(default_factory=dict)
     trace: Trace | None = None  # with trace_top_k > 0
+    logprobs: list[TokenLogprob] | None = None  # with logprobs set: one entry per token of token_ids
 
 
 @dataclass(slots=True)
@@ -175,9 +178,13 @@ class DLiteEngine:
         """Queue a request. With `lease` (a conversation's name), its KV and boundary
         features stay pinned after it finishes, until `release_lease(lease)`."""
         seq = Sequence(self.encode(prompt), params)
-        if params.trace_top_k > self.target.cfg.vocab_size:
-            raise InvalidRequest(f"trace_top_k={params.trace_top_k} exceeds the vocabulary "
-                                 f"({self.target.cfg.vocab_size})")
+        vocab = self.target.cfg.vocab_size
+        if params.trace_top_k > vocab:
+            raise InvalidRequest(f"trace_top_k={params.trace_top_k} exceeds the vocabulary ({vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary ({vocab})")
+        if params.stop:
+            seq.stop_strings = StopStrings(params.stop, self._decode)
         if request_id is not None:
             if request_id in self._by_id:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
@@ -271,21 +278,23 @@ class DLiteEngine:
     # -- the library API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
-                 stop_token_ids: tuple[int, ...] = (), ignore_eos: bool = False, trace_top_k: int = 0,
-                 callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                 trace_top_k: int = 0, logprobs: int | None = None, callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
 
         A prompt is a string, a list of chat messages ({"role", "content"}) or token ids.
-        `callback(request_index, new_token_ids)` streams tokens as they are committed.
+        `callback(request_index, new_token_ids)` streams tokens as they are committed. `stop`
+        strings end a request with the token that completes one; its text ends before it.
         `trace_top_k` > 0 returns each result's `Trace` (the engine's tap features and the
-        target's top-k distribution at every output position).
+        target's top-k distribution at every output position). `logprobs` = n returns each
+        output token's logprob and the n most likely tokens' (`engine/logprobs.py`).
         """
         batch = prompts if _is_batch(prompts) else [prompts]
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
         seqs = []
         for i, ids in enumerate(encoded):
             params = SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i,
-                                    verify_mode, tuple(stop_token_ids), ignore_eos, trace_top_k)
+                                    verify_mode, tuple(stop_token_ids), tuple(stop), ignore_eos, trace_top_k, logprobs)
             seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}
         try:
@@ -300,9 +309,12 @@ class DLiteEngine:
         return [self.result(s) for s in seqs]
 
     def result(self, seq: Sequence) -> GenerationResult:
-        ids = [t for t in seq.output_ids if t not in self.eos_ids]
-        return GenerationResult(self.tokenizer.decode(ids, skip_special_tokens=True), seq.output_ids,
-                                seq.finish_reason, stats_dict(seq), seq.trace)
+        text = text_before_stop(self._decode(seq.output_ids), seq.params.stop)
+        return GenerationResult(text, seq.output_ids, seq.finish_reason, stats_dict(seq), seq.trace, seq.logprobs)
+
+    def _decode(self, ids: list[int]) -> str:
+        """The text of output tokens (end-of-sequence tokens are not text)."""
+        return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
 
 
 def stats_dict(seq: Sequence) -> dict[str, Any]:

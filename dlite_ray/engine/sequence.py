@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlite_ray.engine.logprobs import TokenLogprob
+from dlite_ray.engine.stop_strings import StopStrings
 from dlite_ray.engine.trace import Trace
 from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, VERIFY_MODES
 
@@ -26,18 +28,25 @@ class SamplingParams:
     seed: int | None = None
     verify_mode: str | None = None  # None: greedy at T = 0, else rejection
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the output ends with the token completing one (stop_strings.py)
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, distribution tests)
     trace_top_k: int = 0  # > 0: keep a Trace of each output position (tap features, top-k distribution)
+    logprobs: int | None = None  # n >= 0: each output token's logprob and the n most likely tokens'
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        self.stop = tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidRequest(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
         if self.trace_top_k < 0:
             raise InvalidRequest(f"trace_top_k must be >= 0, got {self.trace_top_k}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise InvalidRequest(f"logprobs must be >= 0 (or None), got {self.logprobs}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.verify_mode is not None and self.verify_mode not in VERIFY_MODES:
@@ -112,6 +121,8 @@ class Sequence:
     stats: SequenceStats = field(default_factory=SequenceStats)
     generator: torch.Generator | None = None
     trace: Trace | None = None  # with params.trace_top_k > 0: a row per output token
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs set: an entry per output token
+    stop_strings: StopStrings | None = None  # with params.stop: set by the engine, which holds the tokenizer
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -123,6 +134,8 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(self.params.seed)
         if self.params.trace_top_k > 0:
             self.trace = Trace(self.params.trace_top_k)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -155,6 +168,9 @@ class Sequence:
             self.token_ids.append(tok)
             kept.append(tok)
             if (tok in eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
+                self.finish("stop")
+                break
+            if self.stop_strings is not None and self.stop_strings.completed_by_last(self.output_ids):
                 self.finish("stop")
                 break
             if self.num_outputs >= self.params.max_new_tokens:

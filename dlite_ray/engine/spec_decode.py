@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, DraftUnavailable
+from dlite_ray.engine.logprobs import token_logprobs
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
@@ -114,10 +115,11 @@ class SpecDecoder:
         for i, seq in enumerate(decodes):
             a, out, tokens, copied = accepted[i], outs[i], proposal.tokens[i], proposal.copied[i]
             # tokens first: committing publishes full blocks, hashed by the tokens they hold
-            emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
+            kept = emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
             if seq.trace is not None:  # verify row m chose the m-th token kept
-                kept = len(emitted[seq])
-                seq.trace.add(out.logits[:kept], out.taps[:kept] if out.taps is not None else None)
+                seq.trace.add(out.logits[:len(kept)], out.taps[:len(kept)] if out.taps is not None else None)
+            if seq.logprobs is not None:
+                seq.logprobs += token_logprobs(out.logits[:len(kept)], kept, seq.params.logprobs)
             self.runner.commit(seq, seq.num_computed + a + 1)
             seq.pivot_features = out.taps[a] if out.taps is not None else None
             st = seq.stats

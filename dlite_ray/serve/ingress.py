@@ -22,6 +22,7 @@ from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.errors import as_serve_error, openai_error_body
+from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.requests import (
@@ -89,30 +90,36 @@ class DLiteIngress:
             # its finally never runs; releasing when the generator is collected covers that case.
             weakref.finalize(body, slot.release)
             return StreamingResponse(body, media_type="text/event-stream")
-        text, finish, stats, n = "", None, None, 0
+        text, finish, stats, n, logprobs = "", None, None, 0, []
         with slot:
             try:
                 async for chunk in self._generate(parsed):
                     text += chunk["text"]
                     n += len(chunk["token_ids"])
                     finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
+                    logprobs += chunk["logprobs"] or []
             except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
                 return self._error_response(exc)
         usage = {"prompt_tokens": (stats or {}).get("num_prompt_tokens", 0), "completion_tokens": n,
                  "total_tokens": (stats or {}).get("num_prompt_tokens", 0) + n}
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
                   else {"index": 0, "text": text, "finish_reason": finish})
+        choice["logprobs"] = _choice_logprobs(parsed, chat, logprobs)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
 
     async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, slot: TenantSlot) -> AsyncIterator[str]:
         """The SSE body; it owns the tenant slot, released however the stream ends (a client
         disconnect cancels or closes this generator, which runs the finally)."""
+        text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
         try:
             async for chunk in self._generate(parsed):
                 delta = {"content": chunk["text"]} if chat else None
                 choice = ({"index": 0, "delta": delta, "finish_reason": chunk["finish_reason"]} if chat
                           else {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]})
+                entries = chunk["logprobs"] or []
+                choice["logprobs"] = _choice_logprobs(parsed, chat, entries, text_offset)
+                text_offset += sum(len(e["token"]) for e in entries)
                 body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                         "created": int(time.time()), "model": self.args.model_name, "choices": [choice]}
                 yield f"data: {json.dumps(body)}\n\n"
@@ -208,7 +215,8 @@ class DLiteIngress:
 
     async def _generate(self, parsed: ParsedRequest, route_to: str | None = None,
                         conversation: str | None = None) -> AsyncIterator[dict]:
-        params = {f: getattr(parsed.params, f) for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed")}
+        params = {f: getattr(parsed.params, f)
+                  for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs")}
         started = time.perf_counter()
         stream = self.worker.options(stream=True).generate.remote(
             parsed.prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(parsed.prompt))
@@ -300,9 +308,22 @@ def _unwrap(exc: Exception) -> Exception:
     return cause if isinstance(cause, Exception) else exc
 
 
+def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict], text_offset: int = 0) -> dict | None:
+    """A choice's `logprobs`: None unless the request asked for them."""
+    if parsed.params.logprobs is None:
+        return None
+    return {"content": entries} if chat else completion_logprobs(entries, text_offset)
+
+
 def _proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:
     return dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
-                                   finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]))
+                                   finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]),
+                                   logprobs=[_proto_logprob(e) for e in chunk.get("logprobs") or []])
+
+
+def _proto_logprob(entry: dict) -> dlite_pb2.TokenLogprob:
+    return dlite_pb2.TokenLogprob(token=entry["token"], logprob=entry["logprob"], bytes=bytes(entry["bytes"]),
+                                  top_logprobs=[_proto_logprob(t) for t in entry.get("top_logprobs", ())])
 
 
 def _proto_conversation(conv: dict) -> dlite_pb2.Conversation:

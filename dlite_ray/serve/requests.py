@@ -19,6 +19,8 @@ from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
 ROLES = ("system", "user", "assistant", "tool")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # torch.Generator seeds are 64-bit
 TOP_K_MAX = (1 << 31) - 1  # top_k becomes an int64 tensor in the batch; gRPC carries int32
+MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs cap)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4 stop sequences
 TOOLS_PREAMBLE = ("You are an assistant that can call tools. When a tool is needed, answer with a call like "
                   "func_name(arg=value). Available tools (JSON schemas):\n")
 
@@ -58,7 +60,8 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     tools = body.get("tools")
     if tools is not None:
         messages = [_tools_message(tools)] + messages
-    return ParsedRequest(messages, sampling(body, limits), _bool(body.get("stream", False), "stream"))
+    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)),
+                         _bool(body.get("stream", False), "stream"))
 
 
 def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
@@ -68,10 +71,33 @@ def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("'prompt' must be a non-empty string")
     _text(prompt, "'prompt'")
-    return ParsedRequest(prompt, sampling(body, limits), _bool(body.get("stream", False), "stream"))
+    return ParsedRequest(prompt, sampling(body, limits, _completion_logprobs(body)),
+                         _bool(body.get("stream", False), "stream"))
 
 
-def sampling(body: dict, limits: LimitArgs) -> SamplingParams:
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs` alternatives (0 to 20): the count, or None."""
+    raw = body.get("logprobs")
+    wanted = raw is not None and _bool(raw, "logprobs")
+    top = body.get("top_logprobs")
+    if top is not None and not wanted:
+        raise BadRequest("top_logprobs needs logprobs: true")
+    return _logprob_count(top or 0, "top_logprobs") if wanted else None
+
+
+def _completion_logprobs(body: dict) -> int | None:
+    """Completions' `logprobs`: how many alternatives per token (0 to 20), or null for none."""
+    top = body.get("logprobs")
+    return None if top is None else _logprob_count(top, "logprobs")
+
+
+def _logprob_count(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+    return value
+
+
+def sampling(body: dict, limits: LimitArgs, logprobs: int | None = None) -> SamplingParams:
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
@@ -88,9 +114,22 @@ def sampling(body: dict, limits: LimitArgs) -> SamplingParams:
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k > TOP_K_MAX:
         raise BadRequest(f"top_k must be an integer in [0, {TOP_K_MAX}], got {top_k!r}")
     try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              stop=_stop_strings(body.get("stop")), logprobs=logprobs)
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from exc
+
+
+def _stop_strings(raw: Any) -> tuple[str, ...]:
+    """OpenAI's `stop`: null, a string, or a list of up to 4 non-empty strings."""
+    stops = [] if raw is None else [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings")
+    for s in stops:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise BadRequest(f"each stop string must be a non-empty string of at most {MAX_STOP_CHARS} characters")
+        _text(s, "stop")
+    return tuple(stops)
 
 
 def _messages(raw: Any, limits: LimitArgs) -> list[dict[str, str]]:
@@ -190,9 +229,15 @@ def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     body["top_k"] = request.top_k
     if request.messages:
         body["messages"] = _grpc_messages(request.messages)
-        return parse_chat(body, limits)
-    body["prompt"] = request.prompt
-    return parse_completion(body, limits)
+        parsed = parse_chat(body, limits)
+    else:
+        body["prompt"] = request.prompt
+        parsed = parse_completion(body, limits)
+    if request.top_logprobs and not request.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true")
+    if request.logprobs:
+        parsed.params.logprobs = _logprob_count(request.top_logprobs, "top_logprobs")
+    return parsed
 
 
 def parse_grpc_create(request, limits: LimitArgs) -> list[dict[str, str]]:
@@ -210,7 +255,7 @@ def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
 
 def _grpc_sampling_body(request) -> dict:
     body: dict[str, Any] = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
-                            "top_p": request.top_p or 1.0}
+                            "top_p": request.top_p or 1.0, "stop": list(request.stop)}
     if request.seed:
         body["seed"] = request.seed
     return body

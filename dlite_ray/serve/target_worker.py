@@ -11,15 +11,17 @@ from pathlib import Path
 import torch
 from ray import serve
 
-from dlite_ray.engine.async_engine import AsyncEngine
+from dlite_ray.engine.async_engine import AsyncEngine, Chunk
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir
 from dlite_ray.engine.sequence import SamplingParams
+from dlite_ray.engine.stop_strings import stop_prefix_length, text_before_stop
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.serve.config import AppArgs, EngineArgs
 from dlite_ray.serve.cpu_threads import use_cpu_threads
 from dlite_ray.serve.draft_link import DraftLink
+from dlite_ray.serve.logprobs import TokenRenderer
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,7 @@ class TargetWorker:
         self.args = args
         self.engine = build_engine(args.engine)
         self.async_engine = AsyncEngine(self.engine)
+        self.renderer = TokenRenderer(self.engine.tokenizer)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - outside Serve (tests constructing it directly)
@@ -65,25 +68,43 @@ class TargetWorker:
 
     async def generate(self, prompt, params: dict, route_to: str | None = None, conversation: str | None = None,
                        prefix_key: str | None = None) -> AsyncIterator[dict]:
-        """Stream {token_ids, text, finished, finish_reason, stats} chunks for one request.
+        """Stream {token_ids, text, logprobs, finished, finish_reason, stats} chunks for one
+        request; `logprobs` (when params ask) has an OpenAI chat entry per visible token.
 
         route_to / conversation / prefix_key steer the ConversationAffinityRouter; a
         conversation's KV stays pinned here after the reply (its lease), until
         `release_lease`. The last chunk names this replica and any conversations whose
         KV it had to give up under memory pressure."""
         sampling = SamplingParams(**params)
-        decoded = 0
+        sent = 0
         tokens: list[int] = []
         async for chunk in self.async_engine.generate(prompt, sampling, lease=conversation):
             tokens += chunk.token_ids
-            visible = [t for t in tokens if t not in self.engine.eos_ids]
-            text = self.engine.tokenizer.decode(visible, skip_special_tokens=True)
-            out = {"token_ids": chunk.token_ids, "text": text[decoded:], "finished": chunk.finished,
-                   "finish_reason": chunk.finish_reason, "stats": chunk.stats, "replica": None}
+            text = self._shown_text(tokens, sampling.stop, chunk.finished)
+            out = {"token_ids": chunk.token_ids, "text": text[sent:], "logprobs": self._visible_logprobs(chunk),
+                   "finished": chunk.finished, "finish_reason": chunk.finish_reason, "stats": chunk.stats,
+                   "replica": None}
             if chunk.finished:
                 out.update(replica=self.replica_id, evicted=self.async_engine.take_evicted_leases())
             yield out
-            decoded = len(text)
+            sent = max(sent, len(text))
+
+    def _shown_text(self, tokens: list[int], stops: tuple[str, ...], finished: bool) -> str:
+        """The reply's text so far, up to any stop string. While the reply runs, a stream holds
+        back the tail that could still change: a character whose bytes have not all come
+        (decoded as U+FFFD) and characters that could begin a stop string."""
+        text = text_before_stop(self.engine.tokenizer.decode([t for t in tokens if t not in self.engine.eos_ids],
+                                                             skip_special_tokens=True), stops)
+        if finished:
+            return text
+        text = text.rstrip("\ufffd")
+        return text[:len(text) - stop_prefix_length(text, stops)]
+
+    def _visible_logprobs(self, chunk: Chunk) -> list[dict] | None:
+        """Logprob entries of the tokens the text shows (an end-of-sequence token is not text)."""
+        if chunk.logprobs is None:
+            return None
+        return self.renderer.chat_entries([lp for lp in chunk.logprobs if lp.token_id not in self.engine.eos_ids])
 
     async def release_lease(self, conversation: str, route_to: str | None = None, strict: bool = True) -> str:
         """Unpin a conversation's KV here (lease ended or conversation deleted); harmless

@@ -84,6 +84,96 @@ def test_grpc_generate_streams_the_same_tokens(serve_app, reference):
     assert chunks[-1].finish_reason and chunks[-1].stats.mean_accept_length >= 1
 
 
+@pytest.fixture(scope="module")
+def reference_logprobs(tiny_serving_model):
+    """The library engine's reply with 3 alternatives per token, as chat entries."""
+    from transformers import AutoTokenizer
+
+    from dlite_ray.engine.engine import DLiteEngine
+    from dlite_ray.serve.logprobs import TokenRenderer
+
+    target_dir, draft_dir = tiny_serving_model
+    engine = DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
+    result = engine.generate(MESSAGES, max_new_tokens=24, logprobs=3)[0]
+    visible = [lp for lp in result.logprobs if lp.token_id not in engine.eos_ids]
+    return result.text, TokenRenderer(AutoTokenizer.from_pretrained(target_dir)).chat_entries(visible)
+
+
+def _assert_same_entries(got: list[dict], expected: list[dict]) -> None:
+    assert [e["bytes"] for e in got] == [e["bytes"] for e in expected]
+    assert [[t["bytes"] for t in e["top_logprobs"]] for e in got] == [[t["bytes"] for t in e["top_logprobs"]]
+                                                                      for e in expected]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in expected], abs=1e-5)
+
+
+def test_chat_logprobs_whole_and_streamed_match_the_library(serve_app, reference_logprobs):
+    text, expected = reference_logprobs
+    body = {"messages": MESSAGES, "max_tokens": 24, "logprobs": True, "top_logprobs": 3}
+    r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=120)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    _assert_same_entries(content, expected)
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8") == text
+    streamed = requests.post(f"{URL}/v1/chat/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
+                             timeout=120)
+    entries = [e for line in streamed.iter_lines() if line.startswith(b"data: {")
+               for e in json.loads(line[6:])["choices"][0]["logprobs"]["content"]]
+    _assert_same_entries(entries, expected)
+    plain = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, headers=AUTH_A,
+                          timeout=120)
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+def test_grpc_generate_streams_logprobs(serve_app, reference_logprobs):
+    text, expected = reference_logprobs
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=24,
+                                        logprobs=True, top_logprobs=3)
+        entries = [e for c in stub.Generate(req, metadata=GRPC_A, timeout=120) for e in c.logprobs]
+    _assert_same_entries([{"bytes": list(e.bytes), "logprob": e.logprob,
+                           "top_logprobs": [{"bytes": list(t.bytes)} for t in e.top_logprobs]} for e in entries],
+                         expected)
+    assert b"".join(e.bytes for e in entries).decode("utf-8") == text
+
+
+def test_completion_logprobs_in_the_legacy_shape(serve_app):
+    body = {"prompt": "def add(a, b):", "max_tokens": 12, "logprobs": 2}
+    choice = requests.post(f"{URL}/v1/completions", json=body, headers=AUTH_A, timeout=120).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) > 0
+    assert all(len(top) <= 2 and max(top.values()) >= chosen - 1e-6
+               for top, chosen in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    streamed = requests.post(f"{URL}/v1/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
+                             timeout=120)
+    chunks = [json.loads(line[6:])["choices"][0]["logprobs"] for line in streamed.iter_lines()
+              if line.startswith(b"data: {")]
+    assert [t for c in chunks for t in c["tokens"]] == lp["tokens"]
+    assert [o for c in chunks for o in c["text_offset"]] == lp["text_offset"]  # offsets run on across chunks
+
+
+def test_stop_strings_end_replies_whole_and_streamed(serve_app, reference):
+    from dlite_ray.engine.stop_strings import text_before_stop
+
+    stop = reference.text[6:9]
+    expected = text_before_stop(reference.text, (stop,))
+    body = {"messages": MESSAGES, "max_tokens": 24, "stop": [stop, "#never#"]}
+    r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=120).json()
+    assert r["choices"][0]["message"]["content"] == expected and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["completion_tokens"] < len(reference.token_ids)
+    streamed = requests.post(f"{URL}/v1/chat/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
+                             timeout=120)
+    pieces = [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in streamed.iter_lines()
+              if line.startswith(b"data: {")]
+    assert "".join(pieces) == expected  # no stop string's first characters went out before it was known
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=24,
+                                        stop=[stop])
+        assert "".join(c.text for c in stub.Generate(req, metadata=GRPC_A, timeout=120)) == expected
+
+
 def test_models_health_and_metrics(serve_app):
     assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
     assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -99,6 +189,9 @@ def test_models_health_and_metrics(serve_app):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ({"messages": "hello"}, "messages"),
     ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"messages": MESSAGES, "stop": [""]}, "stop"),
 ])
 def test_bad_requests_get_openai_errors(serve_app, body, message):
     r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=30)

@@ -18,6 +18,7 @@ from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.requests import (
     INT64_MAX,
     INT64_MIN,
+    MAX_LOGPROBS,
     ROLES,
     TOP_K_MAX,
     ConversationTurn,
@@ -83,6 +84,9 @@ valid_fields = {
     "seed": st.integers(min_value=0, max_value=1 << 32),
     "stream": st.booleans(),
     "lease_seconds": st.floats(min_value=1, max_value=600),
+    "logprobs": st.booleans() | st.integers(min_value=0, max_value=MAX_LOGPROBS),  # chat's flag, completions' count
+    "top_logprobs": st.integers(min_value=0, max_value=MAX_LOGPROBS),
+    "stop": st.none() | st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4),
 }
 odd_fields = {
     "messages": odd_messages | st.lists(json_values, max_size=3) | json_values,
@@ -96,6 +100,9 @@ odd_fields = {
     "seed": st.integers(min_value=-(1 << 70), max_value=1 << 70) | json_values,
     "stream": json_values,
     "lease_seconds": not_finite | st.floats() | st.integers() | json_values,
+    "logprobs": st.integers(min_value=-(1 << 70), max_value=1 << 70) | json_values,
+    "top_logprobs": st.integers(min_value=-(1 << 70), max_value=1 << 70) | json_values,
+    "stop": st.lists(any_text | json_values, max_size=6) | json_values,
 }
 bodies = one_odd_field(valid_fields, odd_fields, required=("messages",)) \
     | one_odd_field(valid_fields, odd_fields, required=("prompt",)) | json_values
@@ -107,6 +114,11 @@ def _assert_runnable(params: SamplingParams) -> None:
     assert math.isfinite(params.temperature) and params.temperature >= 0
     assert 0 < params.top_p <= 1 and 0 <= params.top_k <= TOP_K_MAX
     assert params.seed is None or INT64_MIN <= params.seed <= INT64_MAX
+    assert params.logprobs is None or (type(params.logprobs) is int and 0 <= params.logprobs <= MAX_LOGPROBS)
+    assert isinstance(params.stop, tuple) and len(params.stop) <= 4
+    for stop in params.stop:
+        assert type(stop) is str and stop
+        stop.encode("utf-8")
 
 
 def _assert_messages(messages) -> None:
@@ -200,7 +212,8 @@ sampling_fields = {"max_tokens": int32 | st.integers(min_value=0, max_value=80),
 
 @FUZZ
 @given(st.builds(dlite_pb2.GenerateRequest, messages=proto_messages, prompt=proto_text, top_k=int32,
-                 **sampling_fields))
+                 logprobs=st.booleans(), top_logprobs=int32 | st.integers(min_value=0, max_value=25),
+                 stop=st.lists(proto_text, max_size=5), **sampling_fields))
 def test_grpc_generate_requests(request):
     parsed = _decode_or_client_error(parse_grpc_generate, request)
     if parsed is not None:
@@ -208,7 +221,8 @@ def test_grpc_generate_requests(request):
 
 
 @FUZZ
-@given(st.builds(dlite_pb2.AppendRequest, messages=proto_messages, lease_seconds=int32, **sampling_fields),
+@given(st.builds(dlite_pb2.AppendRequest, messages=proto_messages, lease_seconds=int32,
+                 stop=st.lists(proto_text, max_size=5), **sampling_fields),
        st.builds(dlite_pb2.CreateConversationRequest, messages=proto_messages))
 def test_grpc_conversation_requests(append, create):
     turn = _decode_or_client_error(parse_grpc_append, append)

@@ -1,0 +1,32 @@
+"""Per-token log-probabilities of a request's output (`SamplingParams.logprobs`), as
+OpenAI-style APIs return them: the chosen token's and the n most likely tokens'.
+
+They are the target's log-softmax at temperature 1, before temperature, top-k and top-p
+shape the sampling distribution (what the OpenAI API and vLLM report). They come from the
+rows that chose the tokens, plain or verify rows alike; verify rows give the same bits as
+plain steps, so a speculative request reports exactly what plain decoding would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob) of the n most likely, most likely first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """One entry per chosen token: row i of `logits` [n, V] is the distribution token i was chosen from."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).view(-1, 1)).squeeze(1).tolist()
+    if top_n == 0:
+        return [TokenLogprob(t, lp, ()) for t, lp in zip(tokens, chosen)]
+    top_lp, top_ids = logp.topk(top_n, dim=-1)
+    return [TokenLogprob(t, lp, tuple(zip(ids, lps)))
+            for t, lp, ids, lps in zip(tokens, chosen, top_ids.tolist(), top_lp.tolist())]

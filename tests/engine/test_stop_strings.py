@@ -1,0 +1,80 @@
+"""Stop strings end a request with the token that completes one, whether it came from a
+plain step or from inside a drafted round, and its text ends before the stop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
+from dlite_ray.engine.stop_strings import StopStrings, stop_prefix_length, text_before_stop
+from tests.engine.conftest import make_engine
+
+PROMPTS = [[random.Random(90 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((6, 21, 40))]
+NEW = 40
+
+
+def test_text_before_stop_cuts_at_the_first_of_any_stop():
+    assert text_before_stop("say hi. Observation: x", ("Observation:", ".")) == "say hi"
+    assert text_before_stop("nothing here", ("STOP",)) == "nothing here"
+    assert text_before_stop("abc", ()) == "abc"
+
+
+def test_a_stream_holds_back_what_could_begin_a_stop():
+    assert stop_prefix_length("answer: Obs", ("Observation:",)) == 3
+    assert stop_prefix_length("answer: O", ("Observation:", "OK")) == 1
+    assert stop_prefix_length("answer", ("Observation:",)) == 0
+    assert stop_prefix_length("x\n\n", ("\n\n\n", "\n")) == 2
+    assert stop_prefix_length("a", ("ab", "abc")) == 1
+
+
+def test_only_the_tail_is_decoded_and_an_occurrence_there_is_new():
+    seen = []
+
+    def decode(ids):
+        seen.append(len(ids))
+        return "".join(chr(i) for i in ids)
+
+    stops = StopStrings(("xyz",), decode)
+    out = [ord(c) for c in "a" * 100 + "xy"]
+    assert not stops.completed_by_last(out)
+    assert stops.completed_by_last(out + [ord("z")])
+    assert max(seen) == stops.tail_tokens < 100
+
+
+def _first_completion(engine, tokens: list[int], stop: str) -> int:
+    """How many tokens plain decoding keeps: up to the first whose text holds the stop."""
+    return next(k for k in range(1, len(tokens) + 1) if stop in engine._decode(tokens[:k]))
+
+
+def test_drafted_rounds_stop_where_plain_decoding_stops(tiny_target):
+    plain_engine = make_engine(tiny_target)
+    full = plain_engine.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)
+    stops = [r.text[15:18] for r in full]  # each reply stops by its 18th character at the latest
+    oracle = OracleDraftTransport([p + r.token_ids for p, r in zip(PROMPTS, full, strict=True)])
+    spec_engine = make_engine(tiny_target, oracle, num_draft_tokens=7)
+    for prompt, reply, stop in zip(PROMPTS, full, stops, strict=True):
+        kept = _first_completion(plain_engine, reply.token_ids, stop)
+        for engine in (plain_engine, spec_engine):
+            out = engine.generate(prompt, max_new_tokens=NEW, ignore_eos=True, stop=(stop,), logprobs=0)[0]
+            assert out.token_ids == reply.token_ids[:kept]
+            assert out.finish_reason == "stop" and stop not in out.text
+            assert out.text == text_before_stop(reply.text, (stop,))
+            assert len(out.logprobs) == kept
+        assert max(out.stats["accept_lengths"]) == 8  # the oracle's rounds ran on past where they stopped
+
+
+def test_a_stop_that_never_appears_changes_nothing(tiny_target):
+    engine = make_engine(tiny_target)
+    full = engine.generate(PROMPTS[0], max_new_tokens=NEW, ignore_eos=True)[0]
+    out = engine.generate(PROMPTS[0], max_new_tokens=NEW, ignore_eos=True, stop=("#never#",))[0]
+    assert (out.token_ids, out.text, out.finish_reason) == (full.token_ids, full.text, "length")
+
+
+def test_empty_stop_strings_are_refused():
+    with pytest.raises(InvalidRequest, match="stop strings"):
+        SamplingParams(stop=("",))
+    with pytest.raises(InvalidRequest, match="stop strings"):
+        SamplingParams(stop=(3,))
