@@ -184,7 +184,7 @@ class DLiteEngine:
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary ({vocab})")
         if params.stop:
-            seq.stop_strings = StopStrings(params.stop, self._decode)
+            seq.stop_strings = StopStrings(params.stop, self.decode_output)
         if request_id is not None:
             if request_id in self._by_id:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
@@ -309,10 +309,10 @@ class DLiteEngine:
         return [self.result(s) for s in seqs]
 
     def result(self, seq: Sequence) -> GenerationResult:
-        text = text_before_stop(self._decode(seq.output_ids), seq.params.stop)
+        text = text_before_stop(self.decode_output(seq.output_ids), seq.params.stop)
         return GenerationResult(text, seq.output_ids, seq.finish_reason, stats_dict(seq), seq.trace, seq.logprobs)
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode_output(self, ids: list[int]) -> str:
         """The text of output tokens (end-of-sequence tokens are not text)."""
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
 

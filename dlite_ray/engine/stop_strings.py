@@ -32,9 +32,19 @@ def text_before_stop(text: str, stops: tuple[str, ...]) -> str:
     return text[:min(found)] if found else text
 
 
+def text_to_send(text: str, stops: tuple[str, ...], finished: bool) -> str:
+    """What a stream may show of a reply's decoded text so far: up to any stop string and,
+    while the reply runs, less the tail that could still change: a character whose bytes
+    have not all come (decoded as U+FFFD) and characters that could begin a stop string."""
+    text = text_before_stop(text, stops)
+    if finished:
+        return text
+    text = text.rstrip("\ufffd")
+    return text[:len(text) - stop_prefix_length(text, stops)]
+
+
 def stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:
-    """How many of `text`'s last characters could begin a stop string: a stream holds them
-    back until the next tokens show whether a stop follows."""
+    """How many of `text`'s last characters could begin a stop string."""
     longest = 0
     for s in stops:
         for n in range(min(len(s) - 1, len(text)), longest, -1):

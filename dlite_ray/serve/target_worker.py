@@ -15,7 +15,7 @@ from dlite_ray.engine.async_engine import AsyncEngine, Chunk
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir
 from dlite_ray.engine.sequence import SamplingParams
-from dlite_ray.engine.stop_strings import stop_prefix_length, text_before_stop
+from dlite_ray.engine.stop_strings import text_to_send
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.serve.config import AppArgs, EngineArgs
@@ -80,7 +80,7 @@ class TargetWorker:
         tokens: list[int] = []
         async for chunk in self.async_engine.generate(prompt, sampling, lease=conversation):
             tokens += chunk.token_ids
-            text = self._shown_text(tokens, sampling.stop, chunk.finished)
+            text = text_to_send(self.engine.decode_output(tokens), sampling.stop, chunk.finished)
             out = {"token_ids": chunk.token_ids, "text": text[sent:], "logprobs": self._visible_logprobs(chunk),
                    "finished": chunk.finished, "finish_reason": chunk.finish_reason, "stats": chunk.stats,
                    "replica": None}
@@ -88,17 +88,6 @@ class TargetWorker:
                 out.update(replica=self.replica_id, evicted=self.async_engine.take_evicted_leases())
             yield out
             sent = max(sent, len(text))
-
-    def _shown_text(self, tokens: list[int], stops: tuple[str, ...], finished: bool) -> str:
-        """The reply's text so far, up to any stop string. While the reply runs, a stream holds
-        back the tail that could still change: a character whose bytes have not all come
-        (decoded as U+FFFD) and characters that could begin a stop string."""
-        text = text_before_stop(self.engine.tokenizer.decode([t for t in tokens if t not in self.engine.eos_ids],
-                                                             skip_special_tokens=True), stops)
-        if finished:
-            return text
-        text = text.rstrip("\ufffd")
-        return text[:len(text) - stop_prefix_length(text, stops)]
 
     def _visible_logprobs(self, chunk: Chunk) -> list[dict] | None:
         """Logprob entries of the tokens the text shows (an end-of-sequence token is not text)."""

@@ -9,7 +9,7 @@ import pytest
 
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
-from dlite_ray.engine.stop_strings import StopStrings, stop_prefix_length, text_before_stop
+from dlite_ray.engine.stop_strings import StopStrings, stop_prefix_length, text_before_stop, text_to_send
 from tests.engine.conftest import make_engine
 
 PROMPTS = [[random.Random(90 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((6, 21, 40))]
@@ -30,6 +30,15 @@ def test_a_stream_holds_back_what_could_begin_a_stop():
     assert stop_prefix_length("a", ("ab", "abc")) == 1
 
 
+def test_a_stream_sends_what_can_no_longer_change():
+    stops = ("Observation:",)
+    assert text_to_send("look. Obs", stops, finished=False) == "look. "
+    assert text_to_send("look. Obs", stops, finished=True) == "look. Obs"  # the reply ended without the stop
+    assert text_to_send("look. Observation: 3", stops, finished=True) == "look. "
+    assert text_to_send("caf\ufffd", (), finished=False) == "caf"  # the rest of the character's bytes are to come
+    assert text_to_send("caf\ufffd", (), finished=True) == "caf\ufffd"
+
+
 def test_only_the_tail_is_decoded_and_an_occurrence_there_is_new():
     seen = []
 
@@ -46,7 +55,7 @@ def test_only_the_tail_is_decoded_and_an_occurrence_there_is_new():
 
 def _first_completion(engine, tokens: list[int], stop: str) -> int:
     """How many tokens plain decoding keeps: up to the first whose text holds the stop."""
-    return next(k for k in range(1, len(tokens) + 1) if stop in engine._decode(tokens[:k]))
+    return next(k for k in range(1, len(tokens) + 1) if stop in engine.decode_output(tokens[:k]))
 
 
 def test_drafted_rounds_stop_where_plain_decoding_stops(tiny_target):

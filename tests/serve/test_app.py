@@ -153,20 +153,34 @@ def test_completion_logprobs_in_the_legacy_shape(serve_app):
     assert [o for c in chunks for o in c["text_offset"]] == lp["text_offset"]  # offsets run on across chunks
 
 
+def _stream_pieces(body: dict) -> list[str]:
+    r = requests.post(f"{URL}/v1/chat/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
+                      timeout=120)
+    return [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in r.iter_lines()
+            if line.startswith(b"data: {")]
+
+
+def _stop_across_two_chunks(pieces: list[str], text: str) -> str:
+    """Two streamed chunks' text, found nowhere earlier in the reply: asked as a stop, the
+    first chunk's part must not be sent before the second shows the stop complete."""
+    for i in range(1, len(pieces) - 2):  # the reply goes on after the stop
+        stop = pieces[i] + pieces[i + 1]
+        if pieces[i] and pieces[i + 1] and text.find(stop) == len("".join(pieces[:i])):
+            return stop
+    raise AssertionError(f"no two-chunk stop string in {pieces}")
+
+
 def test_stop_strings_end_replies_whole_and_streamed(serve_app, reference):
     from dlite_ray.engine.stop_strings import text_before_stop
 
-    stop = reference.text[6:9]
+    pieces = _stream_pieces({"messages": MESSAGES, "max_tokens": 24})
+    stop = _stop_across_two_chunks(pieces, reference.text)
     expected = text_before_stop(reference.text, (stop,))
     body = {"messages": MESSAGES, "max_tokens": 24, "stop": [stop, "#never#"]}
     r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=120).json()
     assert r["choices"][0]["message"]["content"] == expected and r["choices"][0]["finish_reason"] == "stop"
     assert r["usage"]["completion_tokens"] < len(reference.token_ids)
-    streamed = requests.post(f"{URL}/v1/chat/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
-                             timeout=120)
-    pieces = [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in streamed.iter_lines()
-              if line.startswith(b"data: {")]
-    assert "".join(pieces) == expected  # no stop string's first characters went out before it was known
+    assert "".join(_stream_pieces(body)) == expected  # the stop's first characters never went out
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = dlite_pb2_grpc.DLiteServiceStub(channel)
         req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=24,
