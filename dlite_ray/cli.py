@@ -9,6 +9,7 @@ import logging
 import sys
 
 from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
+from dlite_ray.engine.stop_strings import text_to_send
 
 log = logging.getLogger("dlite_ray")
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--verify-mode", choices=["greedy", "rejection", "match"], default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable): the reply ends before it")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
     sub.add_parser("fetch-model", help="fetch and convert the default target into the user cache")
@@ -133,21 +135,43 @@ def cmd_generate(args) -> int:
         else:
             prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
         engine = _engine(args)
-        stream = None if args.json else (lambda _i, toks: print(engine.tokenizer.decode(toks), end="", flush=True))
+        printer = None if args.json else _StreamPrinter(engine, tuple(args.stop))
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                                 verify_mode=args.verify_mode, callback=stream)[0]
+                                 top_k=args.top_k, top_p=args.top_p, seed=args.seed, verify_mode=args.verify_mode,
+                                 stop=tuple(args.stop), callback=printer)[0]
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if printer is not None:
+        printer.finish(result.text)
     if args.json:
         keys = ("accept_lengths", "copied_rounds", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
                 "verify_time", "decode_tokens_per_second")
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "stats": {k: result.stats[k] for k in keys}}))
-    else:
-        print()
     return 0
+
+
+class _StreamPrinter:
+    """Prints a reply as its tokens come, holding back what could still change (a split
+    character, the start of a stop string), as the served streams do."""
+
+    def __init__(self, engine, stops: tuple[str, ...]):
+        self.engine, self.stops = engine, stops
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def __call__(self, _index: int, new_tokens: list[int]) -> None:
+        self.tokens += new_tokens
+        self._print(text_to_send(self.engine.decode_output(self.tokens), self.stops, finished=False))
+
+    def finish(self, text: str) -> None:
+        self._print(text)
+        print()
+
+    def _print(self, text: str) -> None:
+        print(text[self.sent:], end="", flush=True)
+        self.sent = max(self.sent, len(text))
 
 
 def cmd_fetch_model(args) -> int:

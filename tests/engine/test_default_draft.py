@@ -52,6 +52,18 @@ def test_cli_generate_json_contract():
     assert 1 <= len(body["token_ids"]) <= 12
 
 
+def test_cli_streams_a_reply_up_to_its_stop_string():
+    def generate(*flags):
+        out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "Name three colours.",
+                              "--max-new-tokens", "24", *flags], capture_output=True, text=True, timeout=300, check=False)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    full = json.loads(generate("--json"))["text"]
+    stop = full.split()[len(full.split()) // 2]  # a word from the middle
+    assert generate("--stop", stop) == full[:full.index(stop)] + "\n"
+
+
 def test_cli_reports_bad_input_clearly():
     out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "x",
                           "--max-new-tokens", "0", "--draft", "none"], capture_output=True, text=True, timeout=300, check=False)
