@@ -100,8 +100,7 @@ class DLiteIngress:
                     logprobs += chunk["logprobs"] or []
             except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
                 return self._error_response(exc)
-        usage = {"prompt_tokens": (stats or {}).get("num_prompt_tokens", 0), "completion_tokens": n,
-                 "total_tokens": (stats or {}).get("num_prompt_tokens", 0) + n}
+        usage = _usage(stats, n)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
                   else {"index": 0, "text": text, "finish_reason": finish})
         choice["logprobs"] = _choice_logprobs(parsed, chat, logprobs)
@@ -112,23 +111,30 @@ class DLiteIngress:
         """The SSE body; it owns the tenant slot, released however the stream ends (a client
         disconnect cancels or closes this generator, which runs the finally)."""
         text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
+        n, stats = 0, None
         try:
             async for chunk in self._generate(parsed):
+                n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
                 delta = {"content": chunk["text"]} if chat else None
                 choice = ({"index": 0, "delta": delta, "finish_reason": chunk["finish_reason"]} if chat
                           else {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]})
                 entries = chunk["logprobs"] or []
                 choice["logprobs"] = _choice_logprobs(parsed, chat, entries, text_offset)
                 text_offset += sum(len(e["token"]) for e in entries)
-                body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                        "created": int(time.time()), "model": self.args.model_name, "choices": [choice]}
-                yield f"data: {json.dumps(body)}\n\n"
+                yield self._sse_chunk(rid, chat, [choice])
+            if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
+                yield self._sse_chunk(rid, chat, [], usage=_usage(stats, n))
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
             err = as_serve_error(_unwrap(exc))
             yield f"data: {json.dumps(openai_error_body(err))}\n\n"
         finally:
             slot.release()
         yield "data: [DONE]\n\n"
+
+    def _sse_chunk(self, rid: str, chat: bool, choices: list[dict], **extra) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.args.model_name, "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
 
     async def _json(self, request: Request) -> Any:
         return decode_json_body(await request.body(), self.args.limits)
@@ -306,6 +312,12 @@ def _unwrap(exc: Exception) -> Exception:
     """Ray wraps replica exceptions; find the typed cause for the status mapping."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, Exception) else exc
+
+
+def _usage(stats: dict | None, completion_tokens: int) -> dict:
+    prompt_tokens = (stats or {}).get("num_prompt_tokens", 0)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict], text_offset: int = 0) -> dict | None:

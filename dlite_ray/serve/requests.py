@@ -30,6 +30,7 @@ class ParsedRequest:
     prompt: list[dict[str, str]] | str
     params: SamplingParams
     stream: bool = False
+    include_usage: bool = False  # a stream ends with a chunk of token counts (stream_options)
 
 
 @dataclass(slots=True)
@@ -60,8 +61,7 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     tools = body.get("tools")
     if tools is not None:
         messages = [_tools_message(tools)] + messages
-    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)),
-                         _bool(body.get("stream", False), "stream"))
+    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body))
 
 
 def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
@@ -71,8 +71,20 @@ def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("'prompt' must be a non-empty string")
     _text(prompt, "'prompt'")
-    return ParsedRequest(prompt, sampling(body, limits, _completion_logprobs(body)),
-                         _bool(body.get("stream", False), "stream"))
+    return ParsedRequest(prompt, sampling(body, limits, _completion_logprobs(body)), *_streaming(body))
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """`stream`, and `stream_options.include_usage` (only with a stream, as OpenAI has it)."""
+    stream = _bool(body.get("stream", False), "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise BadRequest("stream_options needs stream: true")
+    if not isinstance(options, dict):
+        raise BadRequest("stream_options must be an object")
+    return stream, _bool(options.get("include_usage", False), "stream_options.include_usage")
 
 
 def _chat_logprobs(body: dict) -> int | None:

@@ -75,6 +75,16 @@ def test_streaming_chat_completion(serve_app, reference):
     assert text == reference.text and events >= 2
 
 
+def test_a_stream_can_end_with_its_usage(serve_app, reference):
+    body = {"messages": MESSAGES, "max_tokens": 24, "stream": True, "stream_options": {"include_usage": True}}
+    r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, stream=True, timeout=120)
+    events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    assert all(e["choices"] for e in events[:-1]) and events[-1]["choices"] == []
+    usage = events[-1]["usage"]
+    assert usage["completion_tokens"] == len(reference.token_ids) > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] and usage["prompt_tokens"] > 0
+
+
 def test_grpc_generate_streams_the_same_tokens(serve_app, reference):
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = dlite_pb2_grpc.DLiteServiceStub(channel)
@@ -206,6 +216,7 @@ def test_models_health_and_metrics(serve_app):
     ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": MESSAGES, "stop": [""]}, "stop"),
+    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options needs stream"),
 ])
 def test_bad_requests_get_openai_errors(serve_app, body, message):
     r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=30)

@@ -87,6 +87,7 @@ valid_fields = {
     "logprobs": st.booleans() | st.integers(min_value=0, max_value=MAX_LOGPROBS),  # chat's flag, completions' count
     "top_logprobs": st.integers(min_value=0, max_value=MAX_LOGPROBS),
     "stop": st.none() | st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
 }
 odd_fields = {
     "messages": odd_messages | st.lists(json_values, max_size=3) | json_values,
@@ -103,6 +104,7 @@ odd_fields = {
     "logprobs": st.integers(min_value=-(1 << 70), max_value=1 << 70) | json_values,
     "top_logprobs": st.integers(min_value=-(1 << 70), max_value=1 << 70) | json_values,
     "stop": st.lists(any_text | json_values, max_size=6) | json_values,
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": json_values}) | json_values,
 }
 bodies = one_odd_field(valid_fields, odd_fields, required=("messages",)) \
     | one_odd_field(valid_fields, odd_fields, required=("prompt",)) | json_values
@@ -134,7 +136,8 @@ def _assert_request(parsed: ParsedRequest) -> None:
         parsed.prompt.encode("utf-8")
     else:
         _assert_messages(parsed.prompt)
-    assert isinstance(parsed.stream, bool)
+    assert isinstance(parsed.stream, bool) and isinstance(parsed.include_usage, bool)
+    assert parsed.stream or not parsed.include_usage
     _assert_runnable(parsed.params)
 
 
