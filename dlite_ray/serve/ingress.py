@@ -178,13 +178,15 @@ class DLiteIngress:
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
             turn = parse_append(await self._json(request), self.args.limits)
-            text, finish, replica, stats = "", None, None, None
+            text, finish, replica, stats, logprobs = "", None, None, None, []
             with self.tenant_limits.acquire(tenant):
                 async for chunk in self._conversation_turn(tenant, conversation_id, turn):
                     text += chunk["text"]
                     finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
                     stats = chunk["stats"] or stats
+                    logprobs += chunk["logprobs"] or []
             return {"conversation_id": conversation_id, "message": {"role": "assistant", "content": text},
+                    "logprobs": None if turn.params.logprobs is None else {"content": logprobs},
                     "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
         return await self._http_call(go)
 

@@ -230,7 +230,7 @@ def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
     lease = body.get("lease_seconds")
     if lease is not None and (_number(lease, "lease_seconds") <= 0):
         raise BadRequest("lease_seconds must be > 0")
-    return ConversationTurn(new, sampling(body, limits), None if lease is None else float(lease))
+    return ConversationTurn(new, sampling(body, limits, _chat_logprobs(body)), None if lease is None else float(lease))
 
 
 # -- gRPC: proto3 scalars have no "unset", so 0 means "the server default" -----------------------
@@ -245,11 +245,15 @@ def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     else:
         body["prompt"] = request.prompt
         parsed = parse_completion(body, limits)
+    parsed.params.logprobs = _grpc_logprobs(request)
+    return parsed
+
+
+def _grpc_logprobs(request) -> int | None:
+    """`logprobs` with `top_logprobs` alternatives, as chat has them."""
     if request.top_logprobs and not request.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true")
-    if request.logprobs:
-        parsed.params.logprobs = _logprob_count(request.top_logprobs, "top_logprobs")
-    return parsed
+    return _logprob_count(request.top_logprobs, "top_logprobs") if request.logprobs else None
 
 
 def parse_grpc_create(request, limits: LimitArgs) -> list[dict[str, str]]:
@@ -262,7 +266,8 @@ def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
     new = _messages(_grpc_messages(request.messages), limits) if request.messages else []
     if request.lease_seconds < 0:
         raise BadRequest(f"lease_seconds must be >= 0 (0 = the server default), got {request.lease_seconds}")
-    return ConversationTurn(new, sampling(_grpc_sampling_body(request), limits), request.lease_seconds or None)
+    params = sampling(_grpc_sampling_body(request), limits, _grpc_logprobs(request))
+    return ConversationTurn(new, params, request.lease_seconds or None)
 
 
 def _grpc_sampling_body(request) -> dict:

@@ -318,9 +318,13 @@ def test_conversations_over_http_and_malformed_bodies(serve_app):
     created = requests.post(f"{URL}/v1/conversations", json={"messages": MESSAGES}, headers=AUTH_A, timeout=60)
     assert created.status_code == 200, created.text
     cid = created.json()["id"]
-    turn = requests.post(f"{URL}/v1/conversations/{cid}/messages", json={"max_tokens": 4, "lease_seconds": 30},
-                         headers=AUTH_A, timeout=120)
+    turn = requests.post(f"{URL}/v1/conversations/{cid}/messages", headers=AUTH_A, timeout=120,
+                         json={"max_tokens": 4, "lease_seconds": 30, "logprobs": True, "top_logprobs": 2})
     assert turn.status_code == 200 and turn.json()["finish_reason"], turn.text
+    entries = turn.json()["logprobs"]["content"]
+    assert 1 <= len(entries) <= 4 and all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert bytes(b for e in entries for b in e["bytes"]).decode("utf-8", errors="replace") == \
+        turn.json()["message"]["content"]
     stored = requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=60).json()
     assert [m["role"] for m in stored["messages"]] == ["user", "assistant"]
     # bodies that are JSON but not objects, or carry odd fields, are client errors, never 500s

@@ -225,7 +225,8 @@ def test_grpc_generate_requests(request):
 
 @FUZZ
 @given(st.builds(dlite_pb2.AppendRequest, messages=proto_messages, lease_seconds=int32,
-                 stop=st.lists(proto_text, max_size=5), **sampling_fields),
+                 stop=st.lists(proto_text, max_size=5), logprobs=st.booleans(),
+                 top_logprobs=int32 | st.integers(min_value=0, max_value=25), **sampling_fields),
        st.builds(dlite_pb2.CreateConversationRequest, messages=proto_messages))
 def test_grpc_conversation_requests(append, create):
     turn = _decode_or_client_error(parse_grpc_append, append)
