@@ -23,10 +23,13 @@ class TokenLogprob:
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
     """One entry per chosen token: row i of `logits` [n, V] is the distribution token i was chosen from."""
-    logp = logits.float().log_softmax(dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device).view(-1, 1)).squeeze(1).tolist()
+    logits = logits.float()
+    norm = logits.logsumexp(dim=-1, keepdim=True)  # log-softmax at the few entries asked, not a [n, V] copy
+    ids = torch.tensor(tokens, device=logits.device).view(-1, 1)
+    chosen = (logits.gather(1, ids) - norm).squeeze(1).tolist()
     if top_n == 0:
         return [TokenLogprob(t, lp, ()) for t, lp in zip(tokens, chosen)]
-    top_lp, top_ids = logp.topk(top_n, dim=-1)
+    top_logits, top_ids = logits.topk(top_n, dim=-1)
+    top_lp = top_logits - norm
     return [TokenLogprob(t, lp, tuple(zip(ids, lps)))
             for t, lp, ids, lps in zip(tokens, chosen, top_ids.tolist(), top_lp.tolist())]
