@@ -279,7 +279,8 @@ class DLiteEngine:
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), ignore_eos: bool = False,
-                 trace_top_k: int = 0, logprobs: int | None = None, callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
+                 trace_top_k: int = 0, logprobs: int | None = None,
+                 callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
 
         A prompt is a string, a list of chat messages ({"role", "content"}) or token ids.
