@@ -9,7 +9,7 @@ import logging
 import sys
 
 from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
-from dlite_ray.engine.stop_strings import text_to_send
+from dlite_ray.engine.stream_text import text_to_send
 
 log = logging.getLogger("dlite_ray")
 

@@ -278,7 +278,7 @@ class DLiteEngine:
     # -- the library API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
-                 stop_token_ids: tuple[int, ...] = (), stop: tuple[str, ...] = (), ignore_eos: bool = False,
+                 stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] = (), ignore_eos: bool = False,
                  trace_top_k: int = 0, logprobs: int | None = None,
                  callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
@@ -294,8 +294,10 @@ class DLiteEngine:
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
         seqs = []
         for i, ids in enumerate(encoded):
-            params = SamplingParams(max_new_tokens, temperature, top_k, top_p, None if seed is None else seed + i,
-                                    verify_mode, tuple(stop_token_ids), tuple(stop), ignore_eos, trace_top_k, logprobs)
+            params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    seed=None if seed is None else seed + i, verify_mode=verify_mode,
+                                    stop_token_ids=tuple(stop_token_ids), stop=stop, ignore_eos=ignore_eos,
+                                    trace_top_k=trace_top_k, logprobs=logprobs)
             seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}
         try:

@@ -38,15 +38,16 @@ class SamplingParams:
             raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        self.stop = tuple(self.stop)
+        self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # one string is one stop
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(f"stop strings must be non-empty strings, got {self.stop!r}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
         if self.trace_top_k < 0:
             raise InvalidRequest(f"trace_top_k must be >= 0, got {self.trace_top_k}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise InvalidRequest(f"logprobs must be >= 0 (or None), got {self.logprobs}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or self.logprobs < 0):
+            raise InvalidRequest(f"logprobs must be an integer >= 0 (or None), got {self.logprobs!r}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.verify_mode is not None and self.verify_mode not in VERIFY_MODES:

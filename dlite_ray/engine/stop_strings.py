@@ -2,26 +2,36 @@
 completes one of them in its output text, and its text ends where the first one begins.
 
 The check runs after every committed token, so a drafted round that runs past a stop
-keeps exactly the tokens plain decoding keeps. It decodes only the output's tail: an
-occurrence found there ends in the newest token, since an earlier one would have ended
-the request already.
+keeps exactly the tokens plain decoding keeps. It runs on the engine thread for every
+request with stops, so it is kept cheap: most tokens are dismissed by their own text (a
+new occurrence ends in the newest token, so that token must hold a stop's last
+character), and the rest decode only the output's tail, since an occurrence found there
+is new (an earlier one would have ended the request already).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-MAX_CHAR_TOKENS = 4  # a character is at most 4 UTF-8 bytes, and every token holds at least one byte
 TAIL_SLACK_TOKENS = 8  # tokens that decode to nothing (special ones) or shift a leading space
 
 
 class StopStrings:
     def __init__(self, stops: tuple[str, ...], decode: Callable[[list[int]], str]):
         self.stops, self.decode = stops, decode
-        self.tail_tokens = MAX_CHAR_TOKENS * max(len(s) for s in stops) + TAIL_SLACK_TOKENS
+        # every token holds at least one byte, so a stop spans at most its UTF-8 length in tokens
+        self.tail_tokens = max(len(s.encode("utf-8")) for s in stops) + TAIL_SLACK_TOKENS
+        # a token decoded alone may lose a leading space (SentencePiece) or hold part of a
+        # character: stops ending in whitespace, and such tokens, always take the full check
+        self._last_chars = {s[-1] for s in stops}
+        self._always_check = any(c.isspace() for c in self._last_chars)
 
     def completed_by_last(self, output_ids: list[int]) -> bool:
         """Whether the newest output token completed a stop string."""
+        if not self._always_check:
+            newest = self.decode(output_ids[-1:])
+            if "\ufffd" not in newest and not any(c in newest for c in self._last_chars):
+                return False
         tail = self.decode(output_ids[-self.tail_tokens:])
         return any(s in tail for s in self.stops)
 
@@ -30,17 +40,6 @@ def text_before_stop(text: str, stops: tuple[str, ...]) -> str:
     """`text` up to the first stop string in it (all of it when there is none)."""
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return text[:min(found)] if found else text
-
-
-def text_to_send(text: str, stops: tuple[str, ...], finished: bool) -> str:
-    """What a stream may show of a reply's decoded text so far: up to any stop string and,
-    while the reply runs, less the tail that could still change: a character whose bytes
-    have not all come (decoded as U+FFFD) and characters that could begin a stop string."""
-    text = text_before_stop(text, stops)
-    if finished:
-        return text
-    text = text.rstrip("\ufffd")
-    return text[:len(text) - stop_prefix_length(text, stops)]
 
 
 def stop_prefix_length(text: str, stops: tuple[str, ...]) -> int:

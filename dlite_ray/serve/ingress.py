@@ -103,7 +103,7 @@ class DLiteIngress:
         usage = _usage(stats, n)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
                   else {"index": 0, "text": text, "finish_reason": finish})
-        choice["logprobs"] = _choice_logprobs(parsed, chat, logprobs)
+        choice["logprobs"], _ = _choice_logprobs(parsed, chat, logprobs)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
 
@@ -118,10 +118,9 @@ class DLiteIngress:
                 delta = {"content": chunk["text"]} if chat else None
                 choice = ({"index": 0, "delta": delta, "finish_reason": chunk["finish_reason"]} if chat
                           else {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]})
-                entries = chunk["logprobs"] or []
-                choice["logprobs"] = _choice_logprobs(parsed, chat, entries, text_offset)
-                text_offset += sum(len(e["token"]) for e in entries)
-                yield self._sse_chunk(rid, chat, [choice])
+                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk["logprobs"] or [], text_offset)
+                # with include_usage, OpenAI's other chunks carry "usage": null
+                yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))
             if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
                 yield self._sse_chunk(rid, chat, [], usage=_usage(stats, n))
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
@@ -322,11 +321,13 @@ def _usage(stats: dict | None, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict], text_offset: int = 0) -> dict | None:
-    """A choice's `logprobs`: None unless the request asked for them."""
+def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict],
+                     text_offset: int = 0) -> tuple[dict | None, int]:
+    """A choice's `logprobs` (None unless the request asked for them), and the completion
+    text offset after them."""
     if parsed.params.logprobs is None:
-        return None
-    return {"content": entries} if chat else completion_logprobs(entries, text_offset)
+        return None, text_offset
+    return ({"content": entries}, text_offset) if chat else completion_logprobs(entries, text_offset)
 
 
 def _proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:

@@ -20,12 +20,15 @@ class TokenRenderer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._byte_of = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}))  # stored as plain text
 
     def token_bytes(self, token_id: int) -> bytes:
         if self._byte_of is None:  # not byte-level BPE: the decoded text is the best available
             return self.tokenizer.decode([token_id]).encode("utf-8")
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if not all(c in self._byte_of for c in piece):  # a special token, stored as plain text
+        if piece is None:  # an id the model's (padded) vocabulary has and the tokenizer lacks
+            return b""
+        if token_id in self._added or not all(c in self._byte_of for c in piece):
             return piece.encode("utf-8")
         return bytes(self._byte_of[c] for c in piece)
 
@@ -39,16 +42,19 @@ class TokenRenderer:
                 | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]
 
 
-def completion_logprobs(entries: list[dict], text_offset: int = 0) -> dict:
-    """The legacy completions shape of chat `entries`; offsets count characters of the
-    completion text from `text_offset` (a stream's later chunks start where the last ended)."""
+def completion_logprobs(entries: list[dict], text_offset: int = 0) -> tuple[dict, int]:
+    """The legacy completions shape of chat `entries`, and the offset after them. Offsets
+    count the characters of the tokens' texts from `text_offset` (a stream's later chunks
+    go on from where the last ended), as vLLM does: they drift from the completion text
+    where a token holds part of a character. Each `top_logprobs` dict also holds the
+    chosen token, as OpenAI's does."""
     offsets = []
     for e in entries:
         offsets.append(text_offset)
         text_offset += len(e["token"])
+    top = [{t["token"]: t["logprob"] for t in e["top_logprobs"]} | {e["token"]: e["logprob"]} for e in entries]
     return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
-            "text_offset": offsets}
+            "top_logprobs": top, "text_offset": offsets}, text_offset
 
 
 def _is_byte_level(tokenizer) -> bool:

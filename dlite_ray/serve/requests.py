@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
@@ -94,7 +94,7 @@ def _chat_logprobs(body: dict) -> int | None:
     top = body.get("top_logprobs")
     if top is not None and not wanted:
         raise BadRequest("top_logprobs needs logprobs: true")
-    return _logprob_count(top or 0, "top_logprobs") if wanted else None
+    return _logprob_count(0 if top is None else top, "top_logprobs") if wanted else None
 
 
 def _completion_logprobs(body: dict) -> int | None:
@@ -245,7 +245,7 @@ def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     else:
         body["prompt"] = request.prompt
         parsed = parse_completion(body, limits)
-    parsed.params.logprobs = _grpc_logprobs(request)
+    parsed.params = replace(parsed.params, logprobs=_grpc_logprobs(request))  # validated again, as built
     return parsed
 
 

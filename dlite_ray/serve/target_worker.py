@@ -15,7 +15,7 @@ from dlite_ray.engine.async_engine import AsyncEngine, Chunk
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir
 from dlite_ray.engine.sequence import SamplingParams
-from dlite_ray.engine.stop_strings import text_to_send
+from dlite_ray.engine.stream_text import text_to_send
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.serve.config import AppArgs, EngineArgs
@@ -90,7 +90,9 @@ class TargetWorker:
             sent = max(sent, len(text))
 
     def _visible_logprobs(self, chunk: Chunk) -> list[dict] | None:
-        """Logprob entries of the tokens the text shows (an end-of-sequence token is not text)."""
+        """Logprob entries of the chunk's tokens, less end-of-sequence tokens (not text). A
+        stream may send an entry before the text it stands for (held back by `text_to_send`),
+        and the tokens that complete a stop string keep their entries though their text is cut."""
         if chunk.logprobs is None:
             return None
         return self.renderer.chat_entries([lp for lp in chunk.logprobs if lp.token_id not in self.engine.eos_ids])

@@ -4,12 +4,14 @@ sampled, and as many as the output, also when a stop token ends a round early.""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 import torch
 
 from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.engine.logprobs import FLOOR, token_logprobs
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from tests.conftest import read_config
 from tests.engine.conftest import make_engine, random_draft
@@ -83,7 +85,15 @@ def test_a_stop_token_inside_a_round_ends_the_logprobs_with_the_output(tiny_targ
 def test_logprobs_are_off_by_default_and_bad_counts_are_refused(tiny_target):
     engine = make_engine(tiny_target)
     assert engine.generate(PROMPTS[0], max_new_tokens=3)[0].logprobs is None
-    with pytest.raises(InvalidRequest, match="logprobs"):
-        SamplingParams(logprobs=-1)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(InvalidRequest, match="logprobs must be an integer"):
+            SamplingParams(logprobs=bad)
     with pytest.raises(InvalidRequest, match="exceeds the vocabulary"):
         engine.add_request(PROMPTS[0], SamplingParams(logprobs=129))
+
+
+def test_impossible_tokens_get_openais_floor_not_minus_infinity():
+    """JSON has no -inf: a token of probability zero reports -9999, as OpenAI's API does."""
+    [lp] = token_logprobs(torch.tensor([[0.0, -math.inf, 1.0]]), [1], top_n=3)
+    assert lp.logprob == FLOOR and lp.top[-1] == (1, FLOOR)
+    assert [t for t, _ in lp.top] == [2, 0, 1] and all(math.isfinite(v) for _, v in lp.top)

@@ -48,10 +48,18 @@ def test_chat_entries_carry_text_bytes_and_alternatives(renderer):
 
 def test_completion_shape_counts_offsets_from_where_the_text_stands():
     entries = [{"token": "ab", "logprob": -1.0, "bytes": [97, 98], "top_logprobs": [{"token": "ab", "logprob": -1.0}]},
-               {"token": "c", "logprob": -0.5, "bytes": [99], "top_logprobs": []}]
-    assert completion_logprobs(entries, text_offset=3) == {
-        "tokens": ["ab", "c"], "token_logprobs": [-1.0, -0.5], "top_logprobs": [{"ab": -1.0}, {}],
-        "text_offset": [3, 5]}
+               {"token": "c", "logprob": -2.5, "bytes": [99], "top_logprobs": [{"token": "d", "logprob": -0.1}]}]
+    assert completion_logprobs(entries, text_offset=3) == ({
+        "tokens": ["ab", "c"], "token_logprobs": [-1.0, -2.5],
+        "top_logprobs": [{"ab": -1.0}, {"d": -0.1, "c": -2.5}],  # the chosen token is always listed
+        "text_offset": [3, 5]}, 6)
+
+
+def test_ids_beyond_the_tokenizer_and_added_tokens_render(renderer):
+    beyond = len(renderer.tokenizer) + 5  # padded vocabularies have such ids
+    assert renderer.token_bytes(beyond) == b""
+    im_end = renderer.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert renderer.token_bytes(im_end) == b"<|im_end|>"
 
 
 @pytest.mark.parametrize("fields, expected", [
@@ -67,6 +75,8 @@ def test_chat_asks_with_a_flag_and_a_count(fields, expected):
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs must be an integer in [0, 20]"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"logprobs": 3}, "logprobs must be true or false"),
+    ({"logprobs": True, "top_logprobs": False}, "top_logprobs must be an integer"),
+    ({"logprobs": True, "top_logprobs": 0.0}, "top_logprobs must be an integer"),
 ])
 def test_bad_chat_logprobs_are_refused(fields, message):
     with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
