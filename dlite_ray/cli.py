@@ -9,7 +9,7 @@ import logging
 import sys
 
 from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
-from dlite_ray.engine.stream_text import text_to_send
+from dlite_ray.engine.stream_text import TextStream
 
 log = logging.getLogger("dlite_ray")
 
@@ -135,43 +135,22 @@ def cmd_generate(args) -> int:
         else:
             prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
         engine = _engine(args)
-        printer = None if args.json else _StreamPrinter(engine, tuple(args.stop))
+        stream = None if args.json else TextStream(engine.decode_output, tuple(args.stop))
+        printer = None if stream is None else (lambda _i, toks: print(stream.push(toks, False), end="", flush=True))
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, verify_mode=args.verify_mode,
                                  stop=tuple(args.stop), callback=printer)[0]
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if printer is not None:
-        printer.finish(result.text)
+    if stream is not None:
+        print(stream.push([], finished=True))  # what was held back, up to any stop
     if args.json:
         keys = ("accept_lengths", "copied_rounds", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
                 "verify_time", "decode_tokens_per_second")
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
                           "finish_reason": result.finish_reason, "stats": {k: result.stats[k] for k in keys}}))
     return 0
-
-
-class _StreamPrinter:
-    """Prints a reply as its tokens come, holding back what could still change (a split
-    character, the start of a stop string), as the served streams do."""
-
-    def __init__(self, engine, stops: tuple[str, ...]):
-        self.engine, self.stops = engine, stops
-        self.tokens: list[int] = []
-        self.sent = 0
-
-    def __call__(self, _index: int, new_tokens: list[int]) -> None:
-        self.tokens += new_tokens
-        self._print(text_to_send(self.engine.decode_output(self.tokens), self.stops, finished=False))
-
-    def finish(self, text: str) -> None:
-        self._print(text)
-        print()
-
-    def _print(self, text: str) -> None:
-        print(text[self.sent:], end="", flush=True)
-        self.sent = max(self.sent, len(text))
 
 
 def cmd_fetch_model(args) -> int:

@@ -26,13 +26,14 @@ class StopStrings:
         self._last_chars = {s[-1] for s in stops}
         self._always_check = any(c.isspace() for c in self._last_chars)
 
-    def completed_by_last(self, output_ids: list[int]) -> bool:
-        """Whether the newest output token completed a stop string."""
+    def completed_by_last(self, token_ids: list[int], output_start: int = 0) -> bool:
+        """Whether the newest token completed a stop string in the output, which begins at
+        `output_start` (only the tail is sliced: no copy of the whole output per token)."""
         if not self._always_check:
-            newest = self.decode(output_ids[-1:])
+            newest = self.decode(token_ids[-1:])
             if "\ufffd" not in newest and not any(c in newest for c in self._last_chars):
                 return False
-        tail = self.decode(output_ids[-self.tail_tokens:])
+        tail = self.decode(token_ids[max(output_start, len(token_ids) - self.tail_tokens):])
         return any(s in tail for s in self.stops)
 
 

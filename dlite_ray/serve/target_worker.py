@@ -15,7 +15,7 @@ from dlite_ray.engine.async_engine import AsyncEngine, Chunk
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir
 from dlite_ray.engine.sequence import SamplingParams
-from dlite_ray.engine.stream_text import text_to_send
+from dlite_ray.engine.stream_text import TextStream
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
 from dlite_ray.serve.config import AppArgs, EngineArgs
@@ -76,22 +76,18 @@ class TargetWorker:
         `release_lease`. The last chunk names this replica and any conversations whose
         KV it had to give up under memory pressure."""
         sampling = SamplingParams(**params)
-        sent = 0
-        tokens: list[int] = []
+        text = TextStream(self.engine.decode_output, sampling.stop)
         async for chunk in self.async_engine.generate(prompt, sampling, lease=conversation):
-            tokens += chunk.token_ids
-            text = text_to_send(self.engine.decode_output(tokens), sampling.stop, chunk.finished)
-            out = {"token_ids": chunk.token_ids, "text": text[sent:], "logprobs": self._visible_logprobs(chunk),
-                   "finished": chunk.finished, "finish_reason": chunk.finish_reason, "stats": chunk.stats,
-                   "replica": None}
+            out = {"token_ids": chunk.token_ids, "text": text.push(chunk.token_ids, chunk.finished),
+                   "logprobs": self._visible_logprobs(chunk), "finished": chunk.finished,
+                   "finish_reason": chunk.finish_reason, "stats": chunk.stats, "replica": None}
             if chunk.finished:
                 out.update(replica=self.replica_id, evicted=self.async_engine.take_evicted_leases())
             yield out
-            sent = max(sent, len(text))
 
     def _visible_logprobs(self, chunk: Chunk) -> list[dict] | None:
         """Logprob entries of the chunk's tokens, less end-of-sequence tokens (not text). A
-        stream may send an entry before the text it stands for (held back by `text_to_send`),
+        stream may send an entry before the text it stands for (held back by `TextStream`),
         and the tokens that complete a stop string keep their entries though their text is cut."""
         if chunk.logprobs is None:
             return None

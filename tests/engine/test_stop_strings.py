@@ -10,7 +10,7 @@ import pytest
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.engine.stop_strings import StopStrings, stop_prefix_length, text_before_stop
-from dlite_ray.engine.stream_text import text_to_send
+from dlite_ray.engine.stream_text import TextStream, text_to_send
 from tests.engine.conftest import make_engine
 
 PROMPTS = [[random.Random(90 + i).randrange(3, 128) for _ in range(n)] for i, n in enumerate((6, 21, 40))]
@@ -38,6 +38,14 @@ def test_a_stream_sends_what_can_no_longer_change():
     assert text_to_send("look. Observation: 3", stops, finished=True) == "look. "
     assert text_to_send("caf\ufffd", (), finished=False) == "caf"  # the rest of the character's bytes are to come
     assert text_to_send("caf\ufffd", (), finished=True) == "caf\ufffd"
+
+
+def test_a_text_stream_sends_each_character_once_and_never_a_stop():
+    stream = TextStream(lambda ids: "".join(map(chr, ids)), ("XY",))
+    pieces = [stream.push(list(map(ord, part)), finished=False) for part in ("ab", "cX", "Z", "X")]
+    assert pieces == ["ab", "c", "XZ", ""]  # "X" waits until the next character shows it is no stop
+    assert stream.push([ord("Y"), ord("d")], finished=True) == ""  # "XY" came: the reply ends before it
+    assert "".join(pieces) == "abcXZ"
 
 
 def test_only_the_tail_is_decoded_and_an_occurrence_there_is_new():
