@@ -38,6 +38,7 @@ from dlite_ray.serve.requests import (
     parse_grpc_generate,
 )
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
+from dlite_ray.serve.tool_calls import HeldReply, chat_message, tool_calls_delta
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
@@ -101,8 +102,11 @@ class DLiteIngress:
             except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
                 return self._error_response(exc)
         usage = _usage(stats, n)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish} if chat
-                  else {"index": 0, "text": text, "finish_reason": finish})
+        if chat:
+            message, finish = chat_message(text, finish, parsed.tools)
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
         choice["logprobs"], _ = _choice_logprobs(parsed, chat, logprobs)
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
@@ -112,13 +116,15 @@ class DLiteIngress:
         disconnect cancels or closes this generator, which runs the finally)."""
         text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
         n, stats = 0, None
+        held = HeldReply(parsed.tools)  # a reply that may become tool calls is not sent as text
         try:
             async for chunk in self._generate(parsed):
                 n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
-                delta = {"content": chunk["text"]} if chat else None
-                choice = ({"index": 0, "delta": delta, "finish_reason": chunk["finish_reason"]} if chat
-                          else {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]})
-                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk["logprobs"] or [], text_offset)
+                sent = _stream_choice(chunk, held, chat)
+                if sent is None:
+                    continue  # held back: nothing to send yet
+                choice, entries = sent
+                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, entries, text_offset)
                 # with include_usage, OpenAI's other chunks carry "usage": null
                 yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))
             if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
@@ -313,6 +319,22 @@ def _unwrap(exc: Exception) -> Exception:
     """Ray wraps replica exceptions; find the typed cause for the status mapping."""
     cause = getattr(exc, "cause", None)
     return cause if isinstance(cause, Exception) else exc
+
+
+def _stream_choice(chunk: dict, held: HeldReply, chat: bool) -> tuple[dict, list[dict]] | None:
+    """A stream chunk's choice and the logprob entries it sends; None while all is held back."""
+    text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
+    finish, calls = chunk["finish_reason"], None
+    if finish:
+        rest, more, calls = held.finish()
+        text, entries = text + rest, entries + more
+    elif not (text or entries):
+        return None
+    if calls:
+        return {"index": 0, "delta": tool_calls_delta(calls), "finish_reason": "tool_calls"}, entries
+    if chat:
+        return {"index": 0, "delta": {"content": text}, "finish_reason": finish}, entries
+    return {"index": 0, "text": text, "finish_reason": finish}, entries
 
 
 def _usage(stats: dict | None, completion_tokens: int) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
+from dlite_ray.serve.tool_calls import Tool, ToolCall, render_tool_calls
 
 ROLES = ("system", "user", "assistant", "tool")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # torch.Generator seeds are 64-bit
@@ -31,6 +32,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool = False
     include_usage: bool = False  # a stream ends with a chunk of token counts (stream_options)
+    tools: tuple[Tool, ...] = ()  # offered to the model: a reply that calls them is tool_calls
 
 
 @dataclass(slots=True)
@@ -58,10 +60,26 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     messages = _messages(body.get("messages"), limits)
-    tools = body.get("tools")
-    if tools is not None:
-        messages = [_tools_message(tools)] + messages
-    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body))
+    tools = _offered_tools(body)
+    if tools:
+        messages = [_tools_message(body["tools"])] + messages
+    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools)
+
+
+def _offered_tools(body: dict) -> tuple[Tool, ...]:
+    """The tools the model is offered: `tools`, unless `tool_choice` is "none". A choice that
+    forces a call ("required", a named function) would need decoding constrained to the call's
+    grammar, identically in draft and verify; it is refused rather than silently not forced."""
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise BadRequest("tool_choice must be 'auto' or 'none': forcing a call ('required', a named "
+                         "function) needs constrained decoding, which this server does not do")
+    if body.get("parallel_tool_calls") is not None:
+        _bool(body["parallel_tool_calls"], "parallel_tool_calls")  # accepted; the model is not constrained
+    if raw is None or raw == []:
+        return ()
+    tools = _tools(raw)
+    return () if choice == "none" else tools
 
 
 def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
@@ -160,7 +178,10 @@ def _messages(raw: Any, limits: LimitArgs) -> list[dict[str, str]]:
             content = ""
         if isinstance(content, list):
             content = _text_parts(content, i)
-        out.append({"role": role, "content": _text(content, f"messages[{i}].content")})
+        content = _text(content, f"messages[{i}].content")
+        if role == "assistant" and m.get("tool_calls") is not None:
+            content = "\n".join(filter(None, [content, _assistant_tool_calls(m["tool_calls"], i)]))
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -182,18 +203,46 @@ def _text(value: Any, name: str) -> str:
     return value
 
 
-def _tools_message(tools: Any) -> dict[str, str]:
-    if not isinstance(tools, list):
+def _tools(raw: Any) -> tuple[Tool, ...]:
+    if not isinstance(raw, list):
         raise BadRequest("'tools' must be a list")
-    schemas = []
-    for i, t in enumerate(tools):
+    tools = []
+    for i, t in enumerate(raw):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise BadRequest(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., ...}}}}")
-        if "parameters" in fn and not isinstance(fn["parameters"], dict):
+        parameters = fn.get("parameters", {})
+        properties = parameters.get("properties", {}) if isinstance(parameters, dict) else None
+        if not isinstance(properties, dict):
             raise BadRequest(f"tools[{i}].function.parameters must be a JSON schema object")
-        schemas.append(json.dumps(fn))
+        tools.append(Tool(_text(fn["name"], f"tools[{i}].function.name"), tuple(properties)))
+    return tuple(tools)
+
+
+def _tools_message(tools: list[dict]) -> dict[str, str]:
+    schemas = [json.dumps(t["function"]) for t in tools]
     return {"role": "system", "content": TOOLS_PREAMBLE + "\n".join(schemas)}
+
+
+def _assistant_tool_calls(raw: Any, i: int) -> str:
+    """An assistant message's `tool_calls`, written as the model writes calls."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest(f"{where} must be a non-empty list")
+    calls = []
+    for j, c in enumerate(raw):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise BadRequest(f"{where}[{j}] must be {{'type': 'function', 'function': {{'name': str, "
+                             "'arguments': JSON text}}}}")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise BadRequest(f"{where}[{j}].function.arguments is not JSON: {exc}") from exc
+        if not isinstance(arguments, dict):
+            raise BadRequest(f"{where}[{j}].function.arguments must be a JSON object")
+        calls.append(ToolCall(_text(fn["name"], f"{where}[{j}].function.name"), arguments))
+    return _text(render_tool_calls(calls), where)  # argument names are written as they came
 
 
 def _number(value: Any, name: str) -> float:

@@ -201,6 +201,38 @@ def test_stop_strings_end_replies_whole_and_streamed(serve_app, reference):
         assert "".join(c.text for c in stub.Generate(req, metadata=GRPC_A, timeout=120)) == expected
 
 
+def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
+    """Tools offered and an earlier call written back: the served reply is the library
+    engine's for the same prompt, as tool_calls if it is calls, else as text, and a stream
+    (held back while the reply may become calls) delivers the same."""
+    from dlite_ray.engine.engine import DLiteEngine
+    from dlite_ray.serve.config import LimitArgs
+    from dlite_ray.serve.requests import parse_chat
+    from dlite_ray.serve.tool_calls import chat_message
+
+    tool = {"type": "function", "function": {"name": "run_tests", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}}}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}
+    body = {"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "2 failed"}],
+            "tools": [tool], "max_tokens": 24}
+    parsed = parse_chat(body, LimitArgs())
+    engine = DLiteEngine.from_pretrained(*tiny_serving_model, adaptive_draft_length=False)
+    reply = engine.generate(parsed.prompt, max_new_tokens=24)[0]
+    expected, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
+
+    r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=120).json()
+    got = r["choices"][0]
+    assert got["finish_reason"] == finish and got["message"]["content"] == expected["content"]
+    names = [c["function"] for c in expected.get("tool_calls", [])]
+    assert [c["function"] for c in got["message"].get("tool_calls", [])] == names
+    if expected["content"] is not None:
+        assert "".join(_stream_pieces(body)) == expected["content"]
+    refused = requests.post(f"{URL}/v1/chat/completions", json=body | {"tool_choice": "required"}, headers=AUTH_A,
+                            timeout=30)
+    assert refused.status_code == 400 and "tool_choice" in refused.json()["error"]["message"]
+
+
 def test_models_health_and_metrics(serve_app):
     assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
     assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]

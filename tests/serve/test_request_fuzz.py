@@ -61,10 +61,19 @@ def text_parts(text):
     return st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": text}), max_size=3)
 
 
-good_message = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": any_text | text_parts(any_text)})
+# an agent's earlier call, as OpenAI clients send it back (content null, arguments JSON text)
+good_call = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.text(min_size=1, max_size=8), "arguments": st.dictionaries(any_text, json_values).map(json.dumps)})})
+call_message = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.none() | any_text,
+                                      "tool_calls": st.lists(good_call, min_size=1, max_size=2)})
+odd_call = one_odd_field({"type": st.just("function")}, {"function": json_values | st.fixed_dictionaries(
+    {"name": json_values, "arguments": json_values | any_text})}) | json_values
+good_message = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": any_text | text_parts(any_text)}) \
+    | call_message
 odd_message = one_odd_field({"role": st.sampled_from(ROLES), "content": any_text},
                             {"role": st.sampled_from(["wizard", ""]) | json_values,
-                             "content": json_values | text_parts(json_values)}) | json_values
+                             "content": json_values | text_parts(json_values),
+                             "tool_calls": st.lists(good_call | odd_call, max_size=2) | json_values}) | json_values
 # good messages around one odd one
 odd_messages = st.tuples(st.lists(good_message, max_size=3), odd_message,
                          st.lists(good_message, max_size=2)).map(lambda t: [*t[0], t[1], *t[2]])
@@ -88,6 +97,8 @@ valid_fields = {
     "top_logprobs": st.integers(min_value=0, max_value=MAX_LOGPROBS),
     "stop": st.none() | st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "tool_choice": st.sampled_from(["auto", "none"]),
+    "parallel_tool_calls": st.booleans(),
 }
 odd_fields = {
     "messages": odd_messages | st.lists(json_values, max_size=3) | json_values,
@@ -105,6 +116,8 @@ odd_fields = {
     "top_logprobs": st.integers(min_value=-(1 << 70), max_value=1 << 70) | json_values,
     "stop": st.lists(any_text | json_values, max_size=6) | json_values,
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": json_values}) | json_values,
+    "tool_choice": st.sampled_from(["required"]) | json_values,
+    "parallel_tool_calls": json_values,
 }
 bodies = one_odd_field(valid_fields, odd_fields, required=("messages",)) \
     | one_odd_field(valid_fields, odd_fields, required=("prompt",)) | json_values
@@ -137,6 +150,8 @@ def _assert_request(parsed: ParsedRequest) -> None:
     else:
         _assert_messages(parsed.prompt)
     assert isinstance(parsed.stream, bool) and isinstance(parsed.include_usage, bool)
+    assert isinstance(parsed.tools, tuple) and all(type(t.name) is str and t.name for t in parsed.tools)
+    assert not parsed.tools or parsed.prompt[0]["role"] == "system"  # offered tools are in the prompt
     assert parsed.stream or not parsed.include_usage
     _assert_runnable(parsed.params)
 

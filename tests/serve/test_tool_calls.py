@@ -1,0 +1,172 @@
+"""OpenAI tool calling: replies written as Python calls become `tool_calls`; an agent's
+earlier calls are written back the same way; streams hold a reply back while it may still
+become calls. The last test runs the default model through a tool loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlite_ray.serve.config import LimitArgs
+from dlite_ray.serve.errors import BadRequest
+from dlite_ray.serve.requests import TOOLS_PREAMBLE, parse_chat
+from dlite_ray.serve.tool_calls import (
+    MAX_PARSED_CHARS,
+    HeldReply,
+    Tool,
+    ToolCall,
+    chat_message,
+    could_become_tool_calls,
+    parse_tool_calls,
+    render_tool_calls,
+    tool_calls_delta,
+)
+
+TOOLS = (Tool("get_weather", ("city", "unit")), Tool("math.factorial", ("n",)))
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("text, calls", [
+    ("get_weather(city='Paris')", [ToolCall("get_weather", {"city": "Paris"})]),
+    ('  get_weather("Paris", unit="celsius")\n', [ToolCall("get_weather", {"city": "Paris", "unit": "celsius"})]),
+    ("[get_weather(city='Oslo'), math.factorial(n=5)]",
+     [ToolCall("get_weather", {"city": "Oslo"}), ToolCall("math.factorial", {"n": 5})]),
+    ("```python\nmath.factorial(n=12)\n```", [ToolCall("math.factorial", {"n": 12})]),
+    ("get_weather(city={'name': 'Rome', 'tags': [1, 2.5, None, True]})",
+     [ToolCall("get_weather", {"city": {"name": "Rome", "tags": [1, 2.5, None, True]}})]),
+])
+def test_replies_that_are_calls(text, calls):
+    assert parse_tool_calls(text, TOOLS) == calls
+
+
+@pytest.mark.parametrize("text", [
+    "The weather in Paris is sunny.",
+    "get_weather(city='Paris') will tell you.",  # a call inside prose
+    "get_time(zone='UTC')",  # not an offered tool
+    "get_weather(city=paris)",  # a name, not a literal: never evaluated
+    "get_weather(city=__import__('os').getcwd())",
+    "get_weather(**{'city': 'Paris'})",
+    "get_weather('Paris', city='Rome')",  # a parameter given twice
+    "get_weather('Paris', 'C', 'extra')",  # more positional arguments than parameters
+    "get_weather(city={1, 2})",  # a set: JSON cannot carry it
+    "get_weather(city=float('nan'))",
+    "[]",
+    "[get_weather(city='Paris'), 'and more']",
+    "get_weather(city='" + "x" * MAX_PARSED_CHARS + "')",
+    "get_weather(city=" + "[" * 5000 + "]" * 5000 + ")",  # deeper than the parser's stack
+    "",
+])
+def test_replies_that_are_text(text):
+    assert parse_tool_calls(text, TOOLS) is None
+
+
+def test_written_calls_parse_back():
+    calls = [ToolCall("get_weather", {"city": "São Paulo", "unit": None}),
+             ToolCall("math.factorial", {"n": 3})]
+    for some in (calls[:1], calls):
+        assert parse_tool_calls(render_tool_calls(some), TOOLS) == some
+    assert render_tool_calls(calls[:1]) == "get_weather(city='São Paulo', unit=None)"
+
+
+def test_a_call_may_be_coming_until_its_text_says_otherwise():
+    call = "[get_weather(city='Paris'), math.factorial(n=5)]"
+    assert all(could_become_tool_calls(call[:i]) for i in range(len(call) + 1))
+    assert could_become_tool_calls("```python\nget_wea")
+    assert could_become_tool_calls("Sure")  # one word: could still be a name
+    assert not could_become_tool_calls("Sure, ")
+    assert not could_become_tool_calls("The weather")
+    assert not could_become_tool_calls("42")
+
+
+def _stream(held: HeldReply, pieces: list[str]) -> tuple[list[str], tuple]:
+    sent = [held.push(p, [p])[0] for p in pieces]
+    return sent, held.finish()
+
+
+def test_a_held_stream_sends_calls_once_complete():
+    sent, (rest, entries, calls) = _stream(HeldReply(TOOLS), ["get_", "weather(city", "='Oslo')"])
+    assert sent == ["", "", ""] and rest == "" and calls == [ToolCall("get_weather", {"city": "Oslo"})]
+    assert entries == ["get_", "weather(city", "='Oslo')"]  # the tokens' logprobs are not lost
+
+
+def test_a_held_stream_lets_prose_flow_and_releases_a_false_start():
+    sent, (rest, _, calls) = _stream(HeldReply(TOOLS), ["The", " weather", " is", " fine."])
+    assert sent == ["", "The weather", " is", " fine."] and rest == "" and calls is None
+    sent, (rest, entries, calls) = _stream(HeldReply(TOOLS), ["Paris", " (France)"])
+    assert sent == ["", ""] and rest == "Paris (France)" and calls is None and entries == ["Paris", " (France)"]
+    sent, (rest, _, calls) = _stream(HeldReply(()), ["get_weather(", "city='Oslo')"])
+    assert sent == ["get_weather(", "city='Oslo')"] and rest == "" and calls is None  # no tools, no holding
+
+
+def test_openai_shapes():
+    message, finish = chat_message("get_weather(city='Oslo')", "stop", TOOLS)
+    assert finish == "tool_calls" and message["content"] is None
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}
+    assert chat_message("get_weather(city='Oslo')", "stop", ()) == (
+        {"role": "assistant", "content": "get_weather(city='Oslo')"}, "stop")  # no tools offered
+    assert chat_message("Hello", "length", TOOLS) == ({"role": "assistant", "content": "Hello"}, "length")
+    delta = tool_calls_delta([ToolCall("get_weather", {"city": "Oslo"}), ToolCall("math.factorial", {"n": 1})])
+    assert [c["index"] for c in delta["tool_calls"]] == [0, 1]
+    assert len({c["id"] for c in delta["tool_calls"]}) == 2
+
+
+def _call_message(city: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{city}", "type": "function",
+         "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]}
+
+
+def test_requests_offer_tools_and_write_back_earlier_calls():
+    body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}, _call_message("Oslo"),
+                         {"role": "tool", "tool_call_id": "call_Oslo", "content": "3 C"}], "tools": [WEATHER]}
+    parsed = parse_chat(body, LimitArgs())
+    system, user, assistant, tool = parsed.prompt
+    assert system["role"] == "system" and system["content"].startswith(TOOLS_PREAMBLE)
+    assert assistant == {"role": "assistant", "content": "get_weather(city='Oslo')"}
+    assert tool == {"role": "tool", "content": "3 C"}
+    assert parsed.tools == (Tool("get_weather", ("city",)),)
+    none = parse_chat({**body, "tool_choice": "none"}, LimitArgs())
+    assert none.tools == () and none.prompt == parsed.prompt[1:]  # not offered, calls still written back
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "parameters"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": "f()"}]}, "tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "not JSON"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]},
+     "JSON object"),
+])
+def test_bad_tool_fields_are_refused(extra, message):
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **extra}
+    with pytest.raises(BadRequest, match=message):
+        parse_chat(body, LimitArgs())
+
+
+def test_the_default_model_calls_a_tool_after_seeing_its_earlier_calls():
+    """A real agent loop's request: two earlier turns went through get_weather (sent back as
+    OpenAI tool_calls messages), and the model, reading them written as calls, calls it again.
+    Before calls were written back, they reached the model as empty assistant turns."""
+    from dlite_ray.engine.engine import DLiteEngine
+
+    history = []
+    for city, weather in (("Paris", "18 C, sunny"), ("Rome", "24 C, clear")):
+        history += [{"role": "user", "content": f"What's the weather in {city}?"}, _call_message(city),
+                    {"role": "tool", "tool_call_id": f"call_{city}", "content": weather},
+                    {"role": "assistant", "content": f"It is {weather} in {city}."}]
+    body = {"messages": [*history, {"role": "user", "content": "Weather in Berlin?"}], "tools": [WEATHER]}
+    parsed = parse_chat(body, LimitArgs())
+    engine = DLiteEngine.from_pretrained(dtype="bfloat16")
+    reply = engine.generate(parsed.prompt, max_new_tokens=24)[0]
+    message, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
+    assert finish == "tool_calls", reply.text
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_weather", "arguments": json.dumps({"city": "Berlin"})}]
