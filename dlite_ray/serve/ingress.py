@@ -36,9 +36,10 @@ from dlite_ray.serve.requests import (
     parse_grpc_append,
     parse_grpc_create,
     parse_grpc_generate,
+    tools_in,
 )
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
-from dlite_ray.serve.tool_calls import HeldReply, chat_message, tool_calls_delta
+from dlite_ray.serve.tool_calls import chat_message, held_for_tool_calls, tool_calls_delta
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
@@ -116,15 +117,13 @@ class DLiteIngress:
         disconnect cancels or closes this generator, which runs the finally)."""
         text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
         n, stats = 0, None
-        held = HeldReply(parsed.tools)  # a reply that may become tool calls is not sent as text
         try:
-            async for chunk in self._generate(parsed):
+            async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
                 n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
-                sent = _stream_choice(chunk, held, chat)
-                if sent is None:
+                if not (chunk["text"] or chunk["logprobs"] or chunk["finished"]):
                     continue  # held back: nothing to send yet
-                choice, entries = sent
-                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, entries, text_offset)
+                choice = _stream_choice(chunk, chat)
+                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk["logprobs"], text_offset)
                 # with include_usage, OpenAI's other chunks carry "usage": null
                 yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))
             if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
@@ -183,14 +182,17 @@ class DLiteIngress:
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
             turn = parse_append(await self._json(request), self.args.limits)
-            text, finish, replica, stats, logprobs = "", None, None, None, []
+            text, finish, replica, stats, logprobs, calls = "", None, None, None, [], None
             with self.tenant_limits.acquire(tenant):
                 async for chunk in self._conversation_turn(tenant, conversation_id, turn):
                     text += chunk["text"]
                     finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
-                    stats = chunk["stats"] or stats
+                    stats, calls = chunk["stats"] or stats, chunk["tool_calls"] or calls
                     logprobs += chunk["logprobs"] or []
-            return {"conversation_id": conversation_id, "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": None if calls else text}
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            return {"conversation_id": conversation_id, "message": message,
                     "logprobs": None if turn.params.logprobs is None else {"content": logprobs},
                     "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
         return await self._http_call(go)
@@ -209,9 +211,10 @@ class DLiteIngress:
         try:
             # to the replica that holds this conversation's KV (the affinity router falls
             # back to load when it is gone); the reply's KV stays pinned there (the lease)
-            async for chunk in self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
-                                              conversation=conversation_id):
-                text += chunk["text"]
+            chunks = self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
+                                    conversation=conversation_id)
+            async for chunk in held_for_tool_calls(chunks, tools_in(conv["messages"])):
+                text += chunk["raw_text"]  # the history keeps calls as the model wrote them
                 replica = chunk.get("replica") or replica
                 evicted = chunk.get("evicted") or evicted
                 done = done or chunk["finished"]
@@ -250,7 +253,7 @@ class DLiteIngress:
         with slot:  # a cancelled RPC closes this generator, which releases the slot
             try:
                 await self.worker.encode.remote(parsed.prompt)
-                async for chunk in self._generate(parsed):
+                async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
                     yield _proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
@@ -321,20 +324,12 @@ def _unwrap(exc: Exception) -> Exception:
     return cause if isinstance(cause, Exception) else exc
 
 
-def _stream_choice(chunk: dict, held: HeldReply, chat: bool) -> tuple[dict, list[dict]] | None:
-    """A stream chunk's choice and the logprob entries it sends; None while all is held back."""
-    text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
-    finish, calls = chunk["finish_reason"], None
-    if finish:
-        rest, more, calls = held.finish()
-        text, entries = text + rest, entries + more
-    elif not (text or entries):
-        return None
-    if calls:
-        return {"index": 0, "delta": tool_calls_delta(calls), "finish_reason": "tool_calls"}, entries
+def _stream_choice(chunk: dict, chat: bool) -> dict:
+    if chunk["tool_calls"]:
+        return {"index": 0, "delta": tool_calls_delta(chunk["tool_calls"]), "finish_reason": chunk["finish_reason"]}
     if chat:
-        return {"index": 0, "delta": {"content": text}, "finish_reason": finish}, entries
-    return {"index": 0, "text": text, "finish_reason": finish}, entries
+        return {"index": 0, "delta": {"content": chunk["text"]}, "finish_reason": chunk["finish_reason"]}
+    return {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]}
 
 
 def _usage(stats: dict | None, completion_tokens: int) -> dict:
@@ -355,7 +350,12 @@ def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict],
 def _proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:
     return dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
                                    finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]),
-                                   logprobs=[_proto_logprob(e) for e in chunk.get("logprobs") or []])
+                                   logprobs=[_proto_logprob(e) for e in chunk.get("logprobs") or []],
+                                   tool_calls=[_proto_tool_call(c.openai()) for c in chunk.get("tool_calls") or []])
+
+
+def _proto_tool_call(call: dict) -> dlite_pb2.ToolCall:
+    return dlite_pb2.ToolCall(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])
 
 
 def _proto_logprob(entry: dict) -> dlite_pb2.TokenLogprob:

@@ -59,11 +59,15 @@ def decode_json_body(raw: bytes, limits: LimitArgs) -> Any:
 def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    messages, tools = _messages_and_tools(body, limits)
+    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools)
+
+
+def _messages_and_tools(body: dict, limits: LimitArgs) -> tuple[list[dict[str, str]], tuple[Tool, ...]]:
+    """`messages`, opened by a system message that offers the tools if any are offered."""
     messages = _messages(body.get("messages"), limits)
     tools = _offered_tools(body)
-    if tools:
-        messages = [_tools_message(body["tools"])] + messages
-    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools)
+    return ([_tools_message(body["tools"])] + messages if tools else messages), tools
 
 
 def _offered_tools(body: dict) -> tuple[Tool, ...]:
@@ -220,8 +224,21 @@ def _tools(raw: Any) -> tuple[Tool, ...]:
 
 
 def _tools_message(tools: list[dict]) -> dict[str, str]:
-    schemas = [json.dumps(t["function"]) for t in tools]
+    schemas = [json.dumps(t["function"]) for t in tools]  # one line each: JSON escapes newlines
     return {"role": "system", "content": TOOLS_PREAMBLE + "\n".join(schemas)}
+
+
+def tools_in(messages: list[dict[str, str]]) -> tuple[Tool, ...]:
+    """The tools a stored history offers (a conversation's are offered once, when it opens):
+    read back from the system message that `_tools_message` wrote."""
+    first = messages[0] if messages else {}
+    if first.get("role") != "system" or not first.get("content", "").startswith(TOOLS_PREAMBLE):
+        return ()
+    try:
+        return _tools([{"function": json.loads(line)}
+                       for line in first["content"][len(TOOLS_PREAMBLE):].split("\n")])
+    except (json.JSONDecodeError, BadRequest):  # a system message that only looks like ours
+        return ()
 
 
 def _assistant_tool_calls(raw: Any, i: int) -> str:
@@ -264,10 +281,11 @@ def _bool(value: Any, name: str) -> bool:
 
 
 def parse_create_conversation(body: Any, limits: LimitArgs) -> list[dict[str, str]]:
-    """POST /v1/conversations: the opening messages."""
+    """POST /v1/conversations: the opening messages, after a system message offering `tools`
+    if given (then every turn offers them, and replies that call them are tool_calls)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
-    return _messages(body.get("messages"), limits)
+    return _messages_and_tools(body, limits)[0]
 
 
 def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
@@ -289,7 +307,8 @@ def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     body = _grpc_sampling_body(request)
     body["top_k"] = request.top_k
     if request.messages:
-        body["messages"] = _grpc_messages(request.messages)
+        body |= {"messages": _grpc_messages(request.messages), "tools": _grpc_tools(request.tools),
+                 "tool_choice": request.tool_choice or None}
         parsed = parse_chat(body, limits)
     else:
         body["prompt"] = request.prompt
@@ -306,8 +325,9 @@ def _grpc_logprobs(request) -> int | None:
 
 
 def parse_grpc_create(request, limits: LimitArgs) -> list[dict[str, str]]:
-    """A dlite.v1.CreateConversationRequest: the opening messages."""
-    return _messages(_grpc_messages(request.messages), limits)
+    """A dlite.v1.CreateConversationRequest: the opening messages (and the tools they offer)."""
+    body = {"messages": _grpc_messages(request.messages), "tools": _grpc_tools(request.tools)}
+    return _messages_and_tools(body, limits)[0]
 
 
 def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
@@ -327,5 +347,28 @@ def _grpc_sampling_body(request) -> dict:
     return body
 
 
-def _grpc_messages(messages) -> list[dict[str, str]]:
-    return [{"role": m.role, "content": m.content} for m in messages]
+def _grpc_messages(messages) -> list[dict]:
+    """gRPC messages in OpenAI's shape, for the one validation every request goes through."""
+    out = []
+    for m in messages:
+        message: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function",
+                                      "function": {"name": c.name, "arguments": c.arguments_json}}
+                                     for c in m.tool_calls]
+        out.append(message)
+    return out
+
+
+def _grpc_tools(tools) -> list[dict] | None:
+    """gRPC tools in OpenAI's shape; parameters_json must be a JSON object (or empty)."""
+    out = []
+    for i, t in enumerate(tools):
+        function: dict[str, Any] = {"name": t.name, "description": t.description}
+        if t.parameters_json:
+            try:
+                function["parameters"] = json.loads(t.parameters_json)
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise BadRequest(f"tools[{i}].parameters_json is not JSON: {exc}") from exc
+        out.append({"type": "function", "function": function})
+    return out or None

@@ -16,6 +16,7 @@ import ast
 import json
 import re
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,6 +143,23 @@ class HeldReply:
         out = self._text, self._entries
         self._text, self._entries = "", []
         return out
+
+
+async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...]) -> AsyncIterator[dict]:
+    """A reply's chunks with their text and logprob entries held back while the reply may
+    become calls to `tools` (`raw_text` keeps each chunk's text as generated). The last chunk
+    carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text."""
+    held = HeldReply(tools)
+    async for chunk in chunks:
+        text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
+        calls = None
+        if chunk["finished"]:
+            rest, more, calls = held.finish()
+            text, entries = text + rest, entries + more
+        out = {**chunk, "text": text, "logprobs": entries, "tool_calls": calls, "raw_text": chunk["text"]}
+        if calls:
+            out["finish_reason"] = "tool_calls"
+        yield out
 
 
 def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...]) -> tuple[dict, str | None]:

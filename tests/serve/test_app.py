@@ -233,6 +233,44 @@ def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
     assert refused.status_code == 400 and "tool_choice" in refused.json()["error"]["message"]
 
 
+def test_tools_over_grpc_and_in_conversations(serve_app, tiny_serving_model):
+    """gRPC Generate takes tools and earlier calls as HTTP chat does; a conversation opened
+    with tools offers them in every turn and keeps the model's own text in its history."""
+    from dlite_ray.engine.engine import DLiteEngine
+    from dlite_ray.serve.config import LimitArgs
+    from dlite_ray.serve.requests import parse_chat
+    from dlite_ray.serve.tool_calls import chat_message
+
+    schema = {"type": "object", "properties": {"path": {"type": "string"}}}
+    tool = {"type": "function", "function": {"name": "run_tests", "description": "", "parameters": schema}}
+    call = {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}
+    messages = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    engine = DLiteEngine.from_pretrained(*tiny_serving_model, adaptive_draft_length=False)
+    parsed = parse_chat({"messages": messages, "tools": [tool]}, LimitArgs())
+    reply = engine.generate(parsed.prompt, max_new_tokens=16)[0]
+    expected, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
+
+    grpc_messages = [dlite_pb2.Message(**MESSAGES[0]), dlite_pb2.Message(role="assistant", tool_calls=[
+        dlite_pb2.ToolCall(id="call_1", name="run_tests", arguments_json='{"path": "tests/"}')])]
+    req = dlite_pb2.GenerateRequest(messages=grpc_messages, max_tokens=16, tools=[dlite_pb2.Tool(
+        name="run_tests", parameters_json=json.dumps(schema))])
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        chunks = list(dlite_pb2_grpc.DLiteServiceStub(channel).Generate(req, metadata=GRPC_A, timeout=120))
+    assert chunks[-1].finish_reason == finish
+    assert "".join(c.text for c in chunks) == (expected["content"] or "")
+    assert [(c.name, c.arguments_json) for c in chunks[-1].tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in expected.get("tool_calls", [])]
+
+    opened = requests.post(f"{URL}/v1/conversations", json={"messages": MESSAGES, "tools": [tool]}, headers=AUTH_A,
+                           timeout=60).json()
+    cid = opened["id"]
+    turn = requests.post(f"{URL}/v1/conversations/{cid}/messages", json={"messages": messages[1:], "max_tokens": 16},
+                         headers=AUTH_A, timeout=120).json()
+    assert turn["message"]["content"] == expected["content"] and turn["finish_reason"] == finish
+    stored = requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=60).json()["messages"]
+    assert stored[:-1] == parsed.prompt and stored[-1] == {"role": "assistant", "content": reply.text}
+
+
 def test_models_health_and_metrics(serve_app):
     assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
     assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]

@@ -4,13 +4,14 @@ become calls. The last test runs the default model through a tool loop."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest
-from dlite_ray.serve.requests import TOOLS_PREAMBLE, parse_chat
+from dlite_ray.serve.requests import TOOLS_PREAMBLE, parse_chat, parse_create_conversation, tools_in
 from dlite_ray.serve.tool_calls import (
     MAX_PARSED_CHARS,
     HeldReply,
@@ -18,6 +19,7 @@ from dlite_ray.serve.tool_calls import (
     ToolCall,
     chat_message,
     could_become_tool_calls,
+    held_for_tool_calls,
     parse_tool_calls,
     render_tool_calls,
     tool_calls_delta,
@@ -101,6 +103,38 @@ def test_a_held_stream_lets_prose_flow_and_releases_a_false_start():
     assert sent == ["get_weather(", "city='Oslo')"] and rest == "" and calls is None  # no tools, no holding
 
 
+def _held_chunks(pieces: list[str], tools: tuple[Tool, ...]) -> list[dict]:
+    async def worker():
+        for i, p in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield {"text": p, "logprobs": [p], "token_ids": [i], "finished": last, "finish_reason": "stop" if last else None}
+
+    async def collect():
+        return [c async for c in held_for_tool_calls(worker(), tools)]
+
+    return asyncio.run(collect())
+
+
+def test_held_chunks_end_with_calls_or_text():
+    chunks = _held_chunks(["math.fact", "orial(n=", "4)"], TOOLS)
+    assert [c["text"] for c in chunks] == ["", "", ""] and [c["token_ids"] for c in chunks] == [[0], [1], [2]]
+    assert [c["raw_text"] for c in chunks] == ["math.fact", "orial(n=", "4)"]  # what a history stores
+    assert chunks[-1]["tool_calls"] == [ToolCall("math.factorial", {"n": 4})]
+    assert chunks[-1]["finish_reason"] == "tool_calls" and chunks[-1]["logprobs"] == ["math.fact", "orial(n=", "4)"]
+    chunks = _held_chunks(["Four", " factorial", " is 24"], TOOLS)
+    assert [c["text"] for c in chunks] == ["", "Four factorial", " is 24"]
+    assert chunks[-1]["tool_calls"] is None and chunks[-1]["finish_reason"] == "stop"
+
+
+def test_tools_read_back_from_a_history():
+    opened = parse_create_conversation({"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]},
+                                       LimitArgs())
+    assert opened[0]["role"] == "system" and tools_in(opened) == (Tool("get_weather", ("city",)),)
+    assert tools_in(opened[1:]) == ()
+    look_alike = [{"role": "system", "content": TOOLS_PREAMBLE + "not json"}]
+    assert tools_in(look_alike) == () and tools_in([]) == ()
+
+
 def test_openai_shapes():
     message, finish = chat_message("get_weather(city='Oslo')", "stop", TOOLS)
     assert finish == "tool_calls" and message["content"] is None
@@ -125,7 +159,7 @@ def test_requests_offer_tools_and_write_back_earlier_calls():
     body = {"messages": [{"role": "user", "content": "Weather in Oslo?"}, _call_message("Oslo"),
                          {"role": "tool", "tool_call_id": "call_Oslo", "content": "3 C"}], "tools": [WEATHER]}
     parsed = parse_chat(body, LimitArgs())
-    system, user, assistant, tool = parsed.prompt
+    system, _user, assistant, tool = parsed.prompt
     assert system["role"] == "system" and system["content"].startswith(TOOLS_PREAMBLE)
     assert assistant == {"role": "assistant", "content": "get_weather(city='Oslo')"}
     assert tool == {"role": "tool", "content": "3 C"}
