@@ -22,6 +22,7 @@ from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.errors import as_serve_error, openai_error_body
+from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
@@ -39,7 +40,7 @@ from dlite_ray.serve.requests import (
     tools_in,
 )
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
-from dlite_ray.serve.tool_calls import chat_message, held_for_tool_calls, tool_calls_delta
+from dlite_ray.serve.tool_calls import chat_message, tool_calls_delta
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")

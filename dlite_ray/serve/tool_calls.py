@@ -8,23 +8,22 @@ Python's own parser and `ast.literal_eval`, never evaluated: arguments must be l
 
 The other direction: an assistant message's `tool_calls` are written back in the same form,
 so the model reads its earlier calls as it would have written them.
+
+Model output is hostile input here: every scan is linear (no backtracking regular
+expressions), the parser only sees replies up to MAX_PARSED_CHARS, and nothing recurses
+with the reply's nesting except CPython's parser, whose RecursionError is caught.
 """
 
 from __future__ import annotations
 
 import ast
 import json
-import re
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 MAX_PARSED_CHARS = 16_384  # a longer reply is text: the parser's time and memory stay bounded
-_FENCE = re.compile(r"^```[A-Za-z]*\s*\n?(.*?)\n?\s*```$", re.DOTALL)
-# What a reply can look like while it may still become a call: an optional fence, an optional
-# "[", a dotted name, then nothing yet or an opening parenthesis (whatever follows it).
-_CALL_START = re.compile(r"^\s*(`{1,3}([A-Za-z]*\s*)?)?\[?\s*([A-Za-z_][\w.]*)?\s*(\(.*)?$", re.DOTALL)
+FENCE = "```"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,13 +42,14 @@ class ToolCall:
                 "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
 
 
+# -- replies -> calls ------------------------------------------------------------------------------
 def parse_tool_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | None:
-    """The calls `text` consists of, or None when it is text (not only calls to `tools`)."""
-    body = text.strip()
-    fenced = _FENCE.match(body)
-    body = fenced.group(1).strip() if fenced else body
-    if not body or len(body) > MAX_PARSED_CHARS:
+    """The calls `text` consists of, or None when it is text (not only calls to `tools`).
+    A reply is calls only if it starts like one (`starts_like_a_call`), so a stream, which
+    decides from the start what to hold back, and a whole reply always agree."""
+    if len(text) > MAX_PARSED_CHARS or not starts_like_a_call(text, tools):
         return None
+    body = _unfenced(text.strip())
     try:
         tree = ast.parse(body, mode="eval").body
     except (SyntaxError, ValueError, RecursionError, MemoryError):
@@ -60,11 +60,19 @@ def parse_tool_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | Non
     return calls if calls and all(c is not None for c in calls) else None
 
 
+def _unfenced(body: str) -> str:
+    """The code inside a ``` fence (its language word dropped), or `body` as it is."""
+    if len(body) < 2 * len(FENCE) or not (body.startswith(FENCE) and body.endswith(FENCE)):
+        return body
+    inner = body[len(FENCE):-len(FENCE)]
+    first_line, _, rest = inner.partition("\n")
+    return (rest if first_line.strip().isalpha() else inner).strip()
+
+
 def _call(node: ast.expr, tools: dict[str, Tool]) -> ToolCall | None:
     if not isinstance(node, ast.Call):
         return None
-    name = _dotted_name(node.func)
-    tool = tools.get(name) if name else None
+    tool = tools.get(_dotted_name(node.func) or "")
     if tool is None or len(node.args) > len(tool.parameters):
         return None
     try:
@@ -75,91 +83,73 @@ def _call(node: ast.expr, tools: dict[str, Tool]) -> ToolCall | None:
             arguments[kw.arg] = ast.literal_eval(kw.value)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal
         return None
-    if not _json_safe(arguments):
-        return None
-    return ToolCall(name, arguments)
+    return ToolCall(tool.name, arguments) if _json_safe(arguments) else None
 
 
 def _dotted_name(node: ast.expr) -> str | None:
-    # BFCL's tools have dotted names ("math.factorial"): f.g parses as an attribute chain
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        head = _dotted_name(node.value)
-        return None if head is None else f"{head}.{node.attr}"
-    return None
+    """`f` or `math.factorial` (BFCL's tools have dotted names), walked without recursion."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
 
 
 def _json_safe(value: Any) -> bool:
     """Literals JSON can carry: no sets, bytes, complex numbers, tuples as keys, or NaN."""
     try:
         json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         return False
     return True
 
 
-def could_become_tool_calls(text: str) -> bool:
-    """Whether a reply that begins with `text` may still turn out to be calls: while it may,
-    a stream holds its text back (so a call is never sent as content first)."""
-    return len(text) <= MAX_PARSED_CHARS and _CALL_START.match(text) is not None
+# -- how a call starts (what a stream holds back) --------------------------------------------------
+def could_become_tool_calls(text: str, tools: tuple[Tool, ...]) -> bool:
+    """Whether a reply that begins with `text` may still turn out to be calls: it is (after
+    an optional fence and "[") a beginning of an offered tool's name, or such a name and "(".
+    Prose ("Paris (France)...") stops qualifying at its first characters."""
+    if len(text) > MAX_PARSED_CHARS:
+        return False
+    head = _after_opening(text.lstrip())
+    if head is None:
+        return False
+    return any(t.name.startswith(head) or _opens_call(head, t.name) for t in tools)
 
 
+def starts_like_a_call(text: str, tools: tuple[Tool, ...]) -> bool:
+    """Whether `text` starts with an offered tool's name and "(" (after a fence and "[")."""
+    head = _after_opening(text.lstrip())
+    return head is not None and any(_opens_call(head, t.name) for t in tools)
+
+
+def _opens_call(head: str, name: str) -> bool:
+    return head.startswith(name) and head[len(name):].lstrip()[:1] in ("", "(")
+
+
+def _after_opening(text: str) -> str | None:
+    """`text` after an optional ``` fence (with its language word) and "[", None when it
+    cannot be the opening of calls (a broken fence)."""
+    if text.startswith("`"):
+        if not text.startswith(FENCE):
+            return "" if FENCE.startswith(text) else None  # "`" or "``": a fence may be coming
+        text = text[len(FENCE):]
+        word = len(text) - len(text.lstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"))
+        if word and (word == len(text) or text[word].isspace()):
+            text = text[word:]  # "```python\n": a language word ends at whitespace
+        text = text.lstrip()
+    if text.startswith("["):
+        text = text[1:].lstrip()
+    return text
+
+
+# -- calls -> text, and OpenAI's shapes -------------------------------------------------------------
 def render_tool_calls(calls: list[ToolCall]) -> str:
     """Calls as the model is asked to write them: `f(a=1)`, or `[f(a=1), g(b='x')]` for several."""
     written = [f"{c.name}({', '.join(f'{k}={v!r}' for k, v in c.arguments.items())})" for c in calls]
     return written[0] if len(written) == 1 else f"[{', '.join(written)}]"
-
-
-class HeldReply:
-    """A streamed reply offered tools: its text (and logprob entries) are held back while the
-    reply may still become calls, then flow as they come; `finish` gives what is left, as
-    text or as calls."""
-
-    def __init__(self, tools: tuple[Tool, ...]):
-        self.tools = tools
-        self.holding = bool(tools)
-        self._text, self._entries = "", []
-
-    def push(self, text: str, entries: list) -> tuple[str, list]:
-        """What to send now of a chunk's text and logprob entries."""
-        if not self.holding:
-            return text, entries
-        self._text += text
-        self._entries += entries
-        if could_become_tool_calls(self._text):
-            return "", []
-        self.holding = False
-        return self._release()
-
-    def finish(self) -> tuple[str, list, list[ToolCall] | None]:
-        """At the end: the text still held and its entries, and the calls when that text is calls."""
-        calls = parse_tool_calls(self._text, self.tools) if self.holding else None
-        self.holding = False
-        text, entries = self._release()
-        return ("" if calls else text), entries, calls
-
-    def _release(self) -> tuple[str, list]:
-        out = self._text, self._entries
-        self._text, self._entries = "", []
-        return out
-
-
-async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...]) -> AsyncIterator[dict]:
-    """A reply's chunks with their text and logprob entries held back while the reply may
-    become calls to `tools` (`raw_text` keeps each chunk's text as generated). The last chunk
-    carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text."""
-    held = HeldReply(tools)
-    async for chunk in chunks:
-        text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
-        calls = None
-        if chunk["finished"]:
-            rest, more, calls = held.finish()
-            text, entries = text + rest, entries + more
-        out = {**chunk, "text": text, "logprobs": entries, "tool_calls": calls, "raw_text": chunk["text"]}
-        if calls:
-            out["finish_reason"] = "tool_calls"
-        yield out
 
 
 def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...]) -> tuple[dict, str | None]:

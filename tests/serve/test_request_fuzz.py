@@ -220,8 +220,14 @@ def test_hostile_bodies_found_by_hand(raw, status):
 # -- gRPC ----------------------------------------------------------------------------------------
 # Protobuf strings are valid Unicode by construction: no surrogates here.
 proto_text = st.text(max_size=12)
+json_object_text = st.dictionaries(proto_text, json_values).map(json.dumps)  # escapes: proto strings are UTF-8
+proto_json = json_object_text | json_values.map(json.dumps) | proto_text
+proto_calls = st.lists(st.builds(dlite_pb2.ToolCall, id=proto_text, name=proto_text, arguments_json=proto_json),
+                       max_size=2)
 proto_messages = st.lists(st.builds(dlite_pb2.Message, role=st.sampled_from([*ROLES, "wizard", ""]) | proto_text,
-                                    content=proto_text), max_size=10)
+                                    content=proto_text, tool_calls=proto_calls), max_size=10)
+proto_tools = st.lists(st.builds(dlite_pb2.Tool, name=proto_text, description=proto_text,
+                                 parameters_json=st.just("") | proto_json), max_size=3)
 int32 = st.integers(min_value=-(1 << 31), max_value=(1 << 31) - 1)
 float32 = st.floats(width=32) | st.floats(min_value=-1, max_value=2, width=32)
 sampling_fields = {"max_tokens": int32 | st.integers(min_value=0, max_value=80), "temperature": float32,
@@ -231,7 +237,8 @@ sampling_fields = {"max_tokens": int32 | st.integers(min_value=0, max_value=80),
 @FUZZ
 @given(st.builds(dlite_pb2.GenerateRequest, messages=proto_messages, prompt=proto_text, top_k=int32,
                  logprobs=st.booleans(), top_logprobs=int32 | st.integers(min_value=0, max_value=25),
-                 stop=st.lists(proto_text, max_size=5), **sampling_fields))
+                 stop=st.lists(proto_text, max_size=5), tools=proto_tools,
+                 tool_choice=st.sampled_from(["", "auto", "none", "required"]) | proto_text, **sampling_fields))
 def test_grpc_generate_requests(request):
     parsed = _decode_or_client_error(parse_grpc_generate, request)
     if parsed is not None:
@@ -242,7 +249,7 @@ def test_grpc_generate_requests(request):
 @given(st.builds(dlite_pb2.AppendRequest, messages=proto_messages, lease_seconds=int32,
                  stop=st.lists(proto_text, max_size=5), logprobs=st.booleans(),
                  top_logprobs=int32 | st.integers(min_value=0, max_value=25), **sampling_fields),
-       st.builds(dlite_pb2.CreateConversationRequest, messages=proto_messages))
+       st.builds(dlite_pb2.CreateConversationRequest, messages=proto_messages, tools=proto_tools))
 def test_grpc_conversation_requests(append, create):
     turn = _decode_or_client_error(parse_grpc_append, append)
     if turn is not None:

@@ -11,15 +11,14 @@ import pytest
 
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest
+from dlite_ray.serve.held_reply import HeldReply, held_for_tool_calls
 from dlite_ray.serve.requests import TOOLS_PREAMBLE, parse_chat, parse_create_conversation, tools_in
 from dlite_ray.serve.tool_calls import (
     MAX_PARSED_CHARS,
-    HeldReply,
     Tool,
     ToolCall,
     chat_message,
     could_become_tool_calls,
-    held_for_tool_calls,
     parse_tool_calls,
     render_tool_calls,
     tool_calls_delta,
@@ -31,7 +30,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
                                                            "required": ["city"]}}}
 
 
-@pytest.mark.parametrize("text, calls", [
+CALLS = [
     ("get_weather(city='Paris')", [ToolCall("get_weather", {"city": "Paris"})]),
     ('  get_weather("Paris", unit="celsius")\n', [ToolCall("get_weather", {"city": "Paris", "unit": "celsius"})]),
     ("[get_weather(city='Oslo'), math.factorial(n=5)]",
@@ -39,9 +38,15 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
     ("```python\nmath.factorial(n=12)\n```", [ToolCall("math.factorial", {"n": 12})]),
     ("get_weather(city={'name': 'Rome', 'tags': [1, 2.5, None, True]})",
      [ToolCall("get_weather", {"city": {"name": "Rome", "tags": [1, 2.5, None, True]}})]),
-])
+    ("```\n[ get_weather ('Oslo')]\n```", [ToolCall("get_weather", {"city": "Oslo"})]),
+]
+
+
+@pytest.mark.parametrize("text, calls", CALLS)
 def test_replies_that_are_calls(text, calls):
     assert parse_tool_calls(text, TOOLS) == calls
+    # a stream holds every beginning of it back, so none of it goes out as content first
+    assert all(could_become_tool_calls(text[:i], TOOLS) for i in range(len(text) + 1))
 
 
 @pytest.mark.parametrize("text", [
@@ -59,6 +64,9 @@ def test_replies_that_are_calls(text, calls):
     "[get_weather(city='Paris'), 'and more']",
     "get_weather(city='" + "x" * MAX_PARSED_CHARS + "')",
     "get_weather(city=" + "[" * 5000 + "]" * 5000 + ")",  # deeper than the parser's stack
+    "math." * 3000 + "factorial(n=1)",  # a long attribute chain: walked without recursion
+    "# the call:\nget_weather(city='Paris')",  # a stream would have sent the comment as content
+    "```\n" + " " * MAX_PARSED_CHARS + "x",  # whitespace runs: scans are linear
     "",
 ])
 def test_replies_that_are_text(text):
@@ -74,13 +82,13 @@ def test_written_calls_parse_back():
 
 
 def test_a_call_may_be_coming_until_its_text_says_otherwise():
-    call = "[get_weather(city='Paris'), math.factorial(n=5)]"
-    assert all(could_become_tool_calls(call[:i]) for i in range(len(call) + 1))
-    assert could_become_tool_calls("```python\nget_wea")
-    assert could_become_tool_calls("Sure")  # one word: could still be a name
-    assert not could_become_tool_calls("Sure, ")
-    assert not could_become_tool_calls("The weather")
-    assert not could_become_tool_calls("42")
+    assert could_become_tool_calls("", TOOLS) and could_become_tool_calls("``", TOOLS)
+    assert could_become_tool_calls("```python\nget_wea", TOOLS)
+    assert could_become_tool_calls("[ math.fac", TOOLS)
+    assert could_become_tool_calls("get_weather  ", TOOLS)
+    for prose in ("Sure", "The weather", "42", "Paris (France)", "(1) First", "get_weatherman(", "`x"):
+        assert not could_become_tool_calls(prose, TOOLS), prose
+    assert not could_become_tool_calls(" " * (MAX_PARSED_CHARS + 1), TOOLS)
 
 
 def _stream(held: HeldReply, pieces: list[str]) -> tuple[list[str], tuple]:
@@ -95,10 +103,13 @@ def test_a_held_stream_sends_calls_once_complete():
 
 
 def test_a_held_stream_lets_prose_flow_and_releases_a_false_start():
-    sent, (rest, _, calls) = _stream(HeldReply(TOOLS), ["The", " weather", " is", " fine."])
-    assert sent == ["", "The weather", " is", " fine."] and rest == "" and calls is None
-    sent, (rest, entries, calls) = _stream(HeldReply(TOOLS), ["Paris", " (France)"])
-    assert sent == ["", ""] and rest == "Paris (France)" and calls is None and entries == ["Paris", " (France)"]
+    sent, (rest, _, calls) = _stream(HeldReply(TOOLS), ["g", "iven", " that"])
+    assert sent == ["", "given", " that"] and rest == "" and calls is None
+    sent, (rest, _, calls) = _stream(HeldReply(TOOLS), ["Paris", " (France)"])
+    assert sent == ["Paris", " (France)"] and rest == "" and calls is None
+    sent, (rest, entries, calls) = _stream(HeldReply(TOOLS), ["get_weather(", "is a tool)."])
+    assert sent == ["", ""] and rest == "get_weather(is a tool)." and calls is None
+    assert entries == ["get_weather(", "is a tool)."]
     sent, (rest, _, calls) = _stream(HeldReply(()), ["get_weather(", "city='Oslo')"])
     assert sent == ["get_weather(", "city='Oslo')"] and rest == "" and calls is None  # no tools, no holding
 
@@ -121,8 +132,8 @@ def test_held_chunks_end_with_calls_or_text():
     assert [c["raw_text"] for c in chunks] == ["math.fact", "orial(n=", "4)"]  # what a history stores
     assert chunks[-1]["tool_calls"] == [ToolCall("math.factorial", {"n": 4})]
     assert chunks[-1]["finish_reason"] == "tool_calls" and chunks[-1]["logprobs"] == ["math.fact", "orial(n=", "4)"]
-    chunks = _held_chunks(["Four", " factorial", " is 24"], TOOLS)
-    assert [c["text"] for c in chunks] == ["", "Four factorial", " is 24"]
+    chunks = _held_chunks(["ma", "ny", " ways"], TOOLS)
+    assert [c["text"] for c in chunks] == ["", "many", " ways"]
     assert chunks[-1]["tool_calls"] is None and chunks[-1]["finish_reason"] == "stop"
 
 

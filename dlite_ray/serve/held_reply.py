@@ -1,0 +1,64 @@
+"""Streams of replies offered tools: text is held back while the reply may become calls.
+
+A call must never go out as content first, and a client cannot take text back. So while a
+reply may still be calls (`tool_calls.could_become_tool_calls`: an offered tool's name, or
+its beginning, after an optional fence and "["), its text and logprob entries wait; prose
+flows from its first characters. Once a reply starts like a call, it is held to its end and
+sent as `tool_calls`, or, when it is not calls after all, as text in the last chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from dlite_ray.serve.tool_calls import Tool, ToolCall, could_become_tool_calls, parse_tool_calls, starts_like_a_call
+
+
+class HeldReply:
+    def __init__(self, tools: tuple[Tool, ...]):
+        self.tools = tools
+        self.holding = bool(tools)
+        self._call_started = False  # once it starts like a call, it is held to the end: no rescans
+        self._text, self._entries = "", []
+
+    def push(self, text: str, entries: list) -> tuple[str, list]:
+        """What to send now of a chunk's text and logprob entries."""
+        if not self.holding:
+            return text, entries
+        self._text += text
+        self._entries += entries
+        if not self._call_started:
+            self._call_started = starts_like_a_call(self._text, self.tools)
+            if not self._call_started and not could_become_tool_calls(self._text, self.tools):
+                self.holding = False
+                return self._release()
+        return "", []
+
+    def finish(self) -> tuple[str, list, list[ToolCall] | None]:
+        """At the end: the text still held and its entries, and the calls when that text is calls."""
+        calls = parse_tool_calls(self._text, self.tools) if self._call_started else None
+        self.holding = False
+        text, entries = self._release()
+        return ("" if calls else text), entries, calls
+
+    def _release(self) -> tuple[str, list]:
+        out = self._text, self._entries
+        self._text, self._entries = "", []
+        return out
+
+
+async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...]) -> AsyncIterator[dict]:
+    """A reply's chunks with their text and logprob entries held back while the reply may
+    become calls to `tools` (`raw_text` keeps each chunk's text as generated). The last chunk
+    carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text."""
+    held = HeldReply(tools)
+    async for chunk in chunks:
+        text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
+        calls = None
+        if chunk["finished"]:
+            rest, more, calls = held.finish()
+            text, entries = text + rest, entries + more
+        out = {**chunk, "text": text, "logprobs": entries, "tool_calls": calls, "raw_text": chunk["text"]}
+        if calls:
+            out["finish_reason"] = "tool_calls"
+        yield out
