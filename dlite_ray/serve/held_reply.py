@@ -4,14 +4,22 @@ A call must never go out as content first, and a client cannot take text back. S
 reply may still be calls (`tool_calls.could_become_tool_calls`: an offered tool's name, or
 its beginning, after an optional fence and "["), its text and logprob entries wait; prose
 flows from its first characters. Once a reply starts like a call, it is held to its end and
-sent as `tool_calls`, or, when it is not calls after all, as text in the last chunk.
+sent as `tool_calls`, or, when it is not calls after all, as text in the last chunk (or
+as soon as it is too long to be parsed as calls).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from dlite_ray.serve.tool_calls import Tool, ToolCall, could_become_tool_calls, parse_tool_calls, starts_like_a_call
+from dlite_ray.serve.tool_calls import (
+    MAX_PARSED_CHARS,
+    Tool,
+    ToolCall,
+    could_become_tool_calls,
+    parse_tool_calls,
+    starts_like_a_call,
+)
 
 
 class HeldReply:
@@ -30,8 +38,10 @@ class HeldReply:
         if not self._call_started:
             self._call_started = starts_like_a_call(self._text, self.tools)
             if not self._call_started and not could_become_tool_calls(self._text, self.tools):
-                self.holding = False
-                return self._release()
+                return self._stop_holding()
+        if len(self._text) > MAX_PARSED_CHARS:  # too long to be parsed as calls: text after all
+            self._call_started = False
+            return self._stop_holding()
         return "", []
 
     def finish(self) -> tuple[str, list, list[ToolCall] | None]:
@@ -40,6 +50,10 @@ class HeldReply:
         self.holding = False
         text, entries = self._release()
         return ("" if calls else text), entries, calls
+
+    def _stop_holding(self) -> tuple[str, list]:
+        self.holding = False
+        return self._release()
 
     def _release(self) -> tuple[str, list]:
         out = self._text, self._entries

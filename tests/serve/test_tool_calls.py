@@ -110,6 +110,9 @@ def test_a_held_stream_lets_prose_flow_and_releases_a_false_start():
     sent, (rest, entries, calls) = _stream(HeldReply(TOOLS), ["get_weather(", "is a tool)."])
     assert sent == ["", ""] and rest == "get_weather(is a tool)." and calls is None
     assert entries == ["get_weather(", "is a tool)."]
+    long = "x" * MAX_PARSED_CHARS
+    sent, (rest, _, calls) = _stream(HeldReply(TOOLS), ["get_weather(city='", long, "')"])
+    assert sent == ["", "get_weather(city='" + long, "')"] and calls is None  # past the parser's limit: text
     sent, (rest, _, calls) = _stream(HeldReply(()), ["get_weather(", "city='Oslo')"])
     assert sent == ["get_weather(", "city='Oslo')"] and rest == "" and calls is None  # no tools, no holding
 
