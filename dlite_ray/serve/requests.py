@@ -33,6 +33,7 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # a stream ends with a chunk of token counts (stream_options)
     tools: tuple[Tool, ...] = ()  # offered to the model: a reply that calls them is tool_calls
+    reply_prefix: str = ""  # the reply is made to begin with this: a call forced by tool_choice
 
 
 @dataclass(slots=True)
@@ -60,7 +61,9 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     messages, tools = _messages_and_tools(body, limits)
-    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools)
+    forced = _forced_tool(body.get("tool_choice"), tools)
+    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools,
+                         reply_prefix="" if forced is None else f"{forced}(")
 
 
 def _messages_and_tools(body: dict, limits: LimitArgs) -> tuple[list[dict[str, str]], tuple[Tool, ...]]:
@@ -71,19 +74,37 @@ def _messages_and_tools(body: dict, limits: LimitArgs) -> tuple[list[dict[str, s
 
 
 def _offered_tools(body: dict) -> tuple[Tool, ...]:
-    """The tools the model is offered: `tools`, unless `tool_choice` is "none". A choice that
-    forces a call ("required", a named function) would need decoding constrained to the call's
-    grammar, identically in draft and verify; it is refused rather than silently not forced."""
+    """The tools the model is offered: `tools`, unless `tool_choice` is "none"."""
     raw, choice = body.get("tools"), body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise BadRequest("tool_choice must be 'auto' or 'none': forcing a call ('required', a named "
-                         "function) needs constrained decoding, which this server does not do")
     if body.get("parallel_tool_calls") is not None:
         _bool(body["parallel_tool_calls"], "parallel_tool_calls")  # accepted; the model is not constrained
-    if raw is None or raw == []:
-        return ()
-    tools = _tools(raw)
+    tools = () if raw is None or raw == [] else _tools(raw)
     return () if choice == "none" else tools
+
+
+def _forced_tool(choice: Any, tools: tuple[Tool, ...]) -> str | None:
+    """The tool a `tool_choice` forces a call to, or None ("auto", "none", absent).
+
+    A call to one known tool is forced exactly by making the reply begin "name(": the model
+    writes the arguments (a reply that does not close them as a call comes back as text).
+    "required" with several tools would need decoding constrained to their calls' grammar,
+    identically in draft and verify; it is refused rather than silently not forced."""
+    if choice in (None, "auto", "none"):
+        return None
+    names = [t.name for t in tools]
+    if choice == "required":
+        if len(names) != 1:
+            raise BadRequest("tool_choice 'required' is served with exactly one tool (forcing one of several "
+                             "needs constrained decoding): name the function instead")
+        return names[0]
+    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise BadRequest("tool_choice must be 'auto', 'none', 'required' or "
+                         "{'type': 'function', 'function': {'name': ...}}")
+    if name not in names:
+        raise BadRequest("tool_choice names a function that is not in 'tools'")
+    return name
 
 
 def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
@@ -308,7 +329,7 @@ def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     body["top_k"] = request.top_k
     if request.messages:
         body |= {"messages": _grpc_messages(request.messages), "tools": _grpc_tools(request.tools),
-                 "tool_choice": request.tool_choice or None}
+                 "tool_choice": _grpc_tool_choice(request.tool_choice)}
         parsed = parse_chat(body, limits)
     else:
         body["prompt"] = request.prompt
@@ -358,6 +379,13 @@ def _grpc_messages(messages) -> list[dict]:
                                      for c in m.tool_calls]
         out.append(message)
     return out
+
+
+def _grpc_tool_choice(choice: str) -> str | dict | None:
+    """"" (auto), "auto", "none", "required", or the name of the function to call."""
+    if choice in ("", "auto", "none", "required"):
+        return choice or None
+    return {"type": "function", "function": {"name": choice}}
 
 
 def _grpc_tools(tools) -> list[dict] | None:

@@ -60,6 +60,25 @@ def parse_tool_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | Non
     return calls if calls and all(c is not None for c in calls) else None
 
 
+def through_first_call(text: str) -> str:
+    """`text` up to the bracket that closes its first call: a call forced by tool_choice is
+    the whole reply, and a model may go on writing after it. Quoted text is skipped; a reply
+    whose call never closes is returned whole (and will not parse)."""
+    depth, quote, escaped = 0, "", False
+    for i, ch in enumerate(text):
+        if quote:
+            escaped, quote = (False, quote) if escaped else (ch == "\\", "" if ch == quote else quote)
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                return text[:i + 1]
+    return text
+
+
 def _unfenced(body: str) -> str:
     """The code inside a ``` fence (its language word dropped), or `body` as it is."""
     if len(body) < 2 * len(FENCE) or not (body.startswith(FENCE) and body.endswith(FENCE)):
@@ -152,10 +171,18 @@ def render_tool_calls(calls: list[ToolCall]) -> str:
     return written[0] if len(written) == 1 else f"[{', '.join(written)}]"
 
 
-def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...]) -> tuple[dict, str | None]:
+def reply_calls(text: str, tools: tuple[Tool, ...], forced: bool = False) -> list[ToolCall] | None:
+    """The calls a reply makes; a forced call's reply is read up to the end of its call."""
+    if not tools:
+        return None
+    return parse_tool_calls(through_first_call(text) if forced else text, tools)
+
+
+def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...],
+                 forced: bool = False) -> tuple[dict, str | None]:
     """A whole reply as OpenAI's assistant message, and its finish reason: "tool_calls" when
     the reply is calls to the offered tools."""
-    calls = parse_tool_calls(text, tools) if tools else None
+    calls = reply_calls(text, tools, forced)
     if calls:
         return {"role": "assistant", "content": None, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
     return {"role": "assistant", "content": text}, finish

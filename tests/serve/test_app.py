@@ -228,7 +228,18 @@ def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
     assert [c["function"] for c in got["message"].get("tool_calls", [])] == names
     if expected["content"] is not None:
         assert "".join(_stream_pieces(body)) == expected["content"]
-    refused = requests.post(f"{URL}/v1/chat/completions", json=body | {"tool_choice": "required"}, headers=AUTH_A,
+
+    # a forced call: the reply is made to begin "run_tests(" (prompt tokens), the model goes on
+    forced = body | {"tool_choice": "required"}
+    reply = engine.generate(engine.encode(parsed.prompt) + engine.encode("run_tests("), max_new_tokens=24)[0]
+    expected, finish = chat_message("run_tests(" + reply.text, reply.finish_reason, parsed.tools, forced=True)
+    got = requests.post(f"{URL}/v1/chat/completions", json=forced, headers=AUTH_A, timeout=120).json()["choices"][0]
+    assert got["finish_reason"] == finish and got["message"]["content"] == expected["content"]
+    if expected["content"] is not None:
+        assert expected["content"].startswith("run_tests(")
+        assert "".join(_stream_pieces(forced)) == expected["content"]
+    unknown = {"type": "function", "function": {"name": "deploy"}}
+    refused = requests.post(f"{URL}/v1/chat/completions", json=body | {"tool_choice": unknown}, headers=AUTH_A,
                             timeout=30)
     assert refused.status_code == 400 and "tool_choice" in refused.json()["error"]["message"]
 

@@ -182,9 +182,27 @@ def test_requests_offer_tools_and_write_back_earlier_calls():
     assert none.tools == () and none.prompt == parsed.prompt[1:]  # not offered, calls still written back
 
 
+def test_a_forced_call_makes_the_reply_begin_with_it():
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
+    assert parse_chat(body, LimitArgs()).reply_prefix == ""
+    assert parse_chat(body | {"tool_choice": "required"}, LimitArgs()).reply_prefix == "get_weather("
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert parse_chat(body | {"tool_choice": named}, LimitArgs()).reply_prefix == "get_weather("
+    # the model may go on after the call: a forced reply is read up to the call's end
+    text = "get_weather(city='a) b', unit=\"\\\"\") and then (more"
+    assert chat_message(text, "length", TOOLS)[1] == "length"
+    message, finish = chat_message(text, "length", TOOLS, forced=True)
+    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
+        "city": "a) b", "unit": '"'}
+    sent, (rest, _, calls) = _stream(HeldReply(TOOLS, forced=True), ["get_weather(city=", "'Oslo') is", " it"])
+    assert sent == ["", "", ""] and rest == "" and calls == [ToolCall("get_weather", {"city": "Oslo"})]
+
+
 @pytest.mark.parametrize("extra, message", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": [WEATHER, WEATHER]}, "exactly one tool"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "not in 'tools'"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tool_choice": "any"}, "tool_choice"),
     ({"parallel_tool_calls": "yes"}, "parallel_tool_calls"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": []}}}]}, "parameters"),
     ({"messages": [{"role": "assistant", "content": None, "tool_calls": "f()"}]}, "tool_calls"),
@@ -218,3 +236,19 @@ def test_the_default_model_calls_a_tool_after_seeing_its_earlier_calls():
     assert finish == "tool_calls", reply.text
     assert [c["function"] for c in message["tool_calls"]] == [
         {"name": "get_weather", "arguments": json.dumps({"city": "Berlin"})}]
+
+
+def test_the_default_model_makes_a_forced_call():
+    """tool_choice names get_weather: the reply is made to begin "get_weather(" and the model
+    writes the arguments, then goes on talking; the call is read up to its end."""
+    from dlite_ray.engine.engine import DLiteEngine
+
+    body = {"messages": [{"role": "user", "content": "What's the weather in Paris?"}], "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    parsed = parse_chat(body, LimitArgs())
+    engine = DLiteEngine.from_pretrained(dtype="bfloat16")
+    reply = engine.generate(engine.encode(parsed.prompt) + engine.encode(parsed.reply_prefix), max_new_tokens=24)[0]
+    message, finish = chat_message(parsed.reply_prefix + reply.text, reply.finish_reason, parsed.tools, forced=True)
+    assert finish == "tool_calls", reply.text
+    (call,) = message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and "Paris" in json.loads(call["function"]["arguments"]).values()
