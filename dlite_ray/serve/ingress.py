@@ -118,12 +118,15 @@ class DLiteIngress:
         disconnect cancels or closes this generator, which runs the finally)."""
         text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
         n, stats = 0, None
+        first = chat  # a chat stream's first delta names the role, as OpenAI's do
         try:
             async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools, bool(parsed.reply_prefix)):
                 n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
                 if not (chunk["text"] or chunk["logprobs"] or chunk["finished"]):
                     continue  # held back: nothing to send yet
                 choice = _stream_choice(chunk, chat)
+                if first:
+                    choice["delta"], first = {"role": "assistant", **choice["delta"]}, False
                 choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk["logprobs"], text_offset)
                 # with include_usage, OpenAI's other chunks carry "usage": null
                 yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))

@@ -67,12 +67,10 @@ def test_streaming_chat_completion(serve_app, reference):
     r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
                       headers=AUTH_A, stream=True, timeout=120)
     assert r.status_code == 200
-    text, events = "", 0
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
-            text += json.loads(line[6:])["choices"][0]["delta"]["content"]
-            events += 1
-    assert text == reference.text and events >= 2
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+              if line.startswith(b"data: ") and line != b"data: [DONE]"]
+    assert "".join(d["content"] for d in deltas) == reference.text and len(deltas) >= 2
+    assert [d.get("role") for d in deltas] == ["assistant"] + [None] * (len(deltas) - 1)  # the first names it
 
 
 def test_a_stream_can_end_with_its_usage(serve_app, reference):
