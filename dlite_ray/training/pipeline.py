@@ -94,7 +94,9 @@ def records_in_parts(engine: DLiteEngine, samples: list, path: Path, max_new_tok
     """Records (replies and features) for `samples`, saved every `part_size` prompts next to `path`
     so an interrupted run resumes at the last finished part; `path` holds them all at the end.
     Parts are numbered by their place in `samples`, so a rerun must ask for the same prompts
-    (same prompt arguments); other prompts need a fresh --out."""
+    (same prompt arguments); other prompts need a fresh --out. A finished `path` is read back."""
+    if path.exists():  # its parts were joined into it and removed: answering again would redo them all
+        return load_records(path)
     records = []
     for i in range(0, len(samples), part_size):
         part = path.with_name(f"{path.stem}.part{i // part_size:03d}.pt")

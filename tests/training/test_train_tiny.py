@@ -220,6 +220,8 @@ def test_data_generation_resumes_at_the_last_saved_part(tmp_path, monkeypatch):
     assert [r.tokens[0].item() for r in records] == [10, 20, 30, 40, 50]
     assert [r.tokens[0].item() for r in load_records(path)] == [10, 20, 30, 40, 50]
     assert not list(tmp_path.glob("*.part*"))
+    again = pipeline.records_in_parts(None, [10, 20, 30, 40, 50], path, 8, part_size=2)
+    assert len(asked) == 3 and len(again) == 5  # a finished file is read back, nothing answered again
 
 
 def test_training_over_the_drafts_vocabulary(tmp_path):
