@@ -1,7 +1,7 @@
 """Streams of replies offered tools: text is held back while the reply may become calls.
 
 A call must never go out as content first, and a client cannot take text back. So while a
-reply may still be calls (`tool_calls.could_become_tool_calls`: an offered tool's name, or
+reply may still be calls (`tool_calls.reply_start`: an offered tool's name, or
 its beginning, after an optional fence and "["), its text and logprob entries wait; prose
 flows from its first characters. Once a reply starts like a call, it is held to its end and
 sent as `tool_calls`, or, when it is not calls after all, as text in the last chunk (or
@@ -12,14 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from dlite_ray.serve.tool_calls import (
-    MAX_PARSED_CHARS,
-    Tool,
-    ToolCall,
-    could_become_tool_calls,
-    reply_calls,
-    starts_like_a_call,
-)
+from dlite_ray.serve.tool_calls import CALL, MAX_PARSED_CHARS, TEXT, Tool, ToolCall, reply_calls, reply_start
 
 
 class HeldReply:
@@ -36,9 +29,10 @@ class HeldReply:
         self._text += text
         self._entries += entries
         if not self._call_started:
-            self._call_started = starts_like_a_call(self._text, self.tools)
-            if not self._call_started and not could_become_tool_calls(self._text, self.tools):
+            start = reply_start(self._text, self.tools)
+            if start == TEXT:
                 return self._stop_holding()
+            self._call_started = start == CALL
         if len(self._text) > MAX_PARSED_CHARS:  # too long to be parsed as calls: text after all
             self._call_started = False
             return self._stop_holding()

@@ -40,7 +40,7 @@ from dlite_ray.serve.requests import (
     tools_in,
 )
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
-from dlite_ray.serve.tool_calls import chat_message, tool_calls_delta
+from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
 
 log = logging.getLogger(__name__)
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
@@ -193,10 +193,7 @@ class DLiteIngress:
                     finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
                     stats, calls = chunk["stats"] or stats, chunk["tool_calls"] or calls
                     logprobs += chunk["logprobs"] or []
-            message = {"role": "assistant", "content": None if calls else text}
-            if calls:
-                message["tool_calls"] = [c.openai() for c in calls]
-            return {"conversation_id": conversation_id, "message": message,
+            return {"conversation_id": conversation_id, "message": assistant_message(text, calls),
                     "logprobs": None if turn.params.logprobs is None else {"content": logprobs},
                     "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
         return await self._http_call(go)

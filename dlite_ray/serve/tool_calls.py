@@ -60,14 +60,23 @@ def parse_tool_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | Non
     return calls if calls and all(c is not None for c in calls) else None
 
 
+def reply_calls(text: str, tools: tuple[Tool, ...], forced: bool = False) -> list[ToolCall] | None:
+    """The calls a reply makes; a forced call's reply is read up to the end of its call."""
+    if not tools:
+        return None
+    return parse_tool_calls(through_first_call(text) if forced else text, tools)
+
+
 def through_first_call(text: str) -> str:
     """`text` up to the bracket that closes its first call: a call forced by tool_choice is
     the whole reply, and a model may go on writing after it. Quoted text is skipped; a reply
     whose call never closes is returned whole (and will not parse)."""
     depth, quote, escaped = 0, "", False
     for i, ch in enumerate(text):
-        if quote:
-            escaped, quote = (False, quote) if escaped else (ch == "\\", "" if ch == quote else quote)
+        if escaped:
+            escaped = False
+        elif quote:
+            escaped, quote = ch == "\\", "" if ch == quote else quote
         elif ch in "'\"":
             quote = ch
         elif ch in "([{":
@@ -126,22 +135,30 @@ def _json_safe(value: Any) -> bool:
 
 
 # -- how a call starts (what a stream holds back) --------------------------------------------------
-def could_become_tool_calls(text: str, tools: tuple[Tool, ...]) -> bool:
-    """Whether a reply that begins with `text` may still turn out to be calls: it is (after
-    an optional fence and "[") a beginning of an offered tool's name, or such a name and "(".
-    Prose ("Paris (France)...") stops qualifying at its first characters."""
-    if len(text) > MAX_PARSED_CHARS:
-        return False
-    head = _after_opening(text.lstrip())
+CALL, MAYBE, TEXT = "call", "maybe", "text"  # what a reply's start says it is
+
+
+def reply_start(text: str, tools: tuple[Tool, ...]) -> str:
+    """What a reply that begins with `text` is, judged by its start (after an optional fence
+    and "["): CALL once it holds an offered tool's name and "(", MAYBE while it is a
+    beginning of such a name, TEXT otherwise. Prose ("Paris (France)...") is TEXT from its
+    first characters that leave every tool's name."""
+    head = _after_opening(text.lstrip()) if len(text) <= MAX_PARSED_CHARS else None
     if head is None:
-        return False
-    return any(t.name.startswith(head) or _opens_call(head, t.name) for t in tools)
+        return TEXT
+    if any(_opens_call(head, t.name) for t in tools):
+        return CALL
+    return MAYBE if any(t.name.startswith(head) for t in tools) else TEXT
+
+
+def could_become_tool_calls(text: str, tools: tuple[Tool, ...]) -> bool:
+    """Whether a reply that begins with `text` may still turn out to be calls."""
+    return reply_start(text, tools) != TEXT
 
 
 def starts_like_a_call(text: str, tools: tuple[Tool, ...]) -> bool:
     """Whether `text` starts with an offered tool's name and "(" (after a fence and "[")."""
-    head = _after_opening(text.lstrip())
-    return head is not None and any(_opens_call(head, t.name) for t in tools)
+    return reply_start(text, tools) == CALL
 
 
 def _opens_call(head: str, name: str) -> bool:
@@ -171,25 +188,24 @@ def render_tool_calls(calls: list[ToolCall]) -> str:
     return written[0] if len(written) == 1 else f"[{', '.join(written)}]"
 
 
-def reply_calls(text: str, tools: tuple[Tool, ...], forced: bool = False) -> list[ToolCall] | None:
-    """The calls a reply makes; a forced call's reply is read up to the end of its call."""
-    if not tools:
-        return None
-    return parse_tool_calls(through_first_call(text) if forced else text, tools)
-
-
 def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...],
                  forced: bool = False) -> tuple[dict, str | None]:
     """A whole reply as OpenAI's assistant message, and its finish reason: "tool_calls" when
     the reply is calls to the offered tools."""
     calls = reply_calls(text, tools, forced)
+    return assistant_message(text, calls), ("tool_calls" if calls else finish)
+
+
+def assistant_message(text: str, calls: list[ToolCall] | None) -> dict:
+    """OpenAI's assistant message: the calls (content null) when there are any, else the text."""
     if calls:
-        return {"role": "assistant", "content": None, "tool_calls": [c.openai() for c in calls]}, "tool_calls"
-    return {"role": "assistant", "content": text}, finish
+        return {"role": "assistant", "content": None, "tool_calls": [c.openai() for c in calls]}
+    return {"role": "assistant", "content": text}
 
 
 def tool_calls_delta(calls: list[ToolCall]) -> dict:
     """A stream's calls, each whole in one delta: a reply is known to be calls only once it is
     complete (OpenAI's clients join argument pieces, and here there is one piece each)."""
-    return {"role": "assistant", "content": None,
-            "tool_calls": [{"index": i, **c.openai()} for i, c in enumerate(calls)]}
+    message = assistant_message("", calls)
+    message["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    return message
