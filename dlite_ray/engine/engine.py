@@ -22,6 +22,7 @@ from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.engine.stop_strings import StopStrings, text_before_stop
+from dlite_ray.engine.structured_output import GrammarTokenizer
 from dlite_ray.engine.trace import Trace
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -110,6 +111,7 @@ class DLiteEngine:
                                    admit=self._admit, evict=self._evict_cached, release=self.runner.release)
         self._by_id: dict[str, Sequence] = {}
         self._lease_of: dict[str, str] = {}  # request id -> the conversation lease it ends under
+        self._grammar_tok: GrammarTokenizer | None = None
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = "default", *,
@@ -185,6 +187,8 @@ class DLiteEngine:
             raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary ({vocab})")
         if params.stop:
             seq.stop_strings = StopStrings(params.stop, self.decode_output)
+        if params.json_schema is not None:
+            seq.grammar = self._grammar_tokenizer().matcher(params.json_schema)
         if request_id is not None:
             if request_id in self._by_id:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
@@ -201,6 +205,12 @@ class DLiteEngine:
             self._lease_of[seq.request_id] = lease
         self.scheduler.add(seq)
         return seq
+
+    def _grammar_tokenizer(self) -> GrammarTokenizer:
+        """Built on the first structured request (it reads the whole vocabulary once)."""
+        if self._grammar_tok is None:
+            self._grammar_tok = GrammarTokenizer(self.tokenizer, self.target.cfg.vocab_size, self.eos_ids)
+        return self._grammar_tok
 
     def step(self) -> list[StepOutput]:
         """One scheduled forward: prefill chunks and speculation rounds together."""
@@ -279,7 +289,7 @@ class DLiteEngine:
     def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] = (), ignore_eos: bool = False,
-                 trace_top_k: int = 0, logprobs: int | None = None,
+                 trace_top_k: int = 0, logprobs: int | None = None, json_schema: str | None = None,
                  callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
 
@@ -289,6 +299,8 @@ class DLiteEngine:
         `trace_top_k` > 0 returns each result's `Trace` (the engine's tap features and the
         target's top-k distribution at every output position). `logprobs` = n returns each
         output token's logprob and the n most likely tokens' (`engine/logprobs.py`).
+        `json_schema` (a schema as JSON text) constrains every reply to JSON it accepts
+        (`engine/structured_output.py`).
         """
         batch = prompts if _is_batch(prompts) else [prompts]
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
@@ -297,7 +309,7 @@ class DLiteEngine:
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=None if seed is None else seed + i, verify_mode=verify_mode,
                                     stop_token_ids=tuple(stop_token_ids), stop=stop, ignore_eos=ignore_eos,
-                                    trace_top_k=trace_top_k, logprobs=logprobs)
+                                    trace_top_k=trace_top_k, logprobs=logprobs, json_schema=json_schema)
             seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}
         try:

@@ -25,6 +25,7 @@ from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
+from dlite_ray.engine.structured_output import mask_rows
 from dlite_ray.runtime.sampling import (
     GREEDY,
     MATCH,
@@ -116,6 +117,8 @@ class SpecDecoder:
             a, out, tokens, copied = accepted[i], outs[i], proposal.tokens[i], proposal.copied[i]
             # tokens first: committing publishes full blocks, hashed by the tokens they hold
             kept = emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
+            if seq.grammar is not None:
+                seq.grammar.advance(kept)
             if seq.trace is not None:  # verify row m chose the m-th token kept
                 seq.trace.add(out.logits[:len(kept)], out.taps[:len(kept)] if out.taps is not None else None)
             if seq.logprobs is not None:
@@ -182,6 +185,9 @@ class SpecDecoder:
         ks, drafts, q_probs = proposal.lengths, proposal.tokens, proposal.q_probs
         width = max(ks) + 1
         logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                mask_rows(logits[i], seq.grammar.allowed_rows(drafts[i]))
         draft_t = torch.tensor([d + [0] * (width - 1 - len(d)) for d in drafts], dtype=torch.long,
                                device=logits.device).view(len(seqs), width - 1)
         num = torch.tensor(ks, device=logits.device)

@@ -1,0 +1,161 @@
+"""Structured output: replies follow a JSON schema, speculation stays exact under the mask
+(greedy token for token, sampled in distribution), and bad schemas are refused."""
+
+from __future__ import annotations
+
+import json
+import string
+
+import pytest
+import torch
+
+from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.engine.draft_transport import InProcessDraftTransport
+from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.sequence import InvalidRequest
+from dlite_ray.engine.structured_output import grammar_for_schema, unpack_bitmask
+from dlite_ray.runtime.loading import load_target
+from tests.conftest import make_tiny_checkpoint, read_config
+from tests.engine.conftest import random_draft
+from tests.helpers import chi2_pvalue, forward_all, new_runner, new_seq
+
+CHARS = ' {}[]":,.-_' + string.digits + string.ascii_lowercase + string.ascii_uppercase
+CHOICE = {"type": "object", "properties": {"x": {"enum": ["a", "b", "c", "d"]}}, "required": ["x"],
+          "additionalProperties": False}
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "n"], "additionalProperties": False}
+PROMPTS = [[5, 9, 11, 40], [7, 7, 30, 31, 32, 12], [50, 3, 60]]
+
+
+def char_tokenizer():
+    """A real (fast, byte-level) HF tokenizer with one token per character, for tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {c.replace(" ", "Ġ"): i + 3 for i, c in enumerate(CHARS)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", bos_token="<s>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_tiny_checkpoint(tmp_path_factory.mktemp("so") / "llama", "llama")
+    target = load_target(d)
+    return target, random_draft(target, read_config(d), seed=5), char_tokenizer()
+
+
+def _engine(tiny, draft=None) -> DLiteEngine:
+    target, _, tok = tiny
+    transport = draft if draft is None or hasattr(draft, "info") else InProcessDraftTransport(draft, "test")
+    return DLiteEngine(target, tok, transport, adaptive_draft_length=False, lookup_tokens=0)
+
+
+def _text(tok, ids: list[int]) -> str:
+    return tok.decode([t for t in ids if t != 2])
+
+
+def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j():
+    words = torch.tensor([0b101, -2**31, 1], dtype=torch.int32)  # tokens 0, 2; 63; 64
+    assert unpack_bitmask(words, 70).nonzero().flatten().tolist() == [0, 2, 63, 64]
+    assert unpack_bitmask(words, 64).nonzero().flatten().tolist() == [0, 2, 63]
+
+
+@pytest.mark.parametrize("schema", [CHOICE, RECORD], ids=["enum", "record"])
+def test_greedy_speculation_under_a_schema_equals_plain_decoding_under_it(tiny, schema):
+    _, draft, tok = tiny
+    js = json.dumps(schema)
+    plain = [r.token_ids for r in _engine(tiny).generate(PROMPTS, max_new_tokens=40, json_schema=js)]
+    oracle = OracleDraftTransport([p + r for p, r in zip(PROMPTS, plain)], wrong_rate=0.3, vocab_size=128)
+    for spec in (_engine(tiny, draft), _engine(tiny, oracle)):
+        out = spec.generate(PROMPTS, max_new_tokens=40, json_schema=js)
+        assert [r.token_ids for r in out] == plain
+    assert sum(r.stats["mean_accept_length"] for r in out) > len(out)  # the oracle's drafts were accepted
+    for ids in plain:  # random weights, yet every reply is complete JSON the schema accepts
+        assert ids[-1] == 2
+        reply = json.loads(_text(tok, ids))
+        assert set(reply) == set(schema["required"])
+        if schema is CHOICE:
+            assert reply["x"] in "abcd"
+        else:
+            assert len(reply["name"]) <= 5 and 0 <= reply["n"] <= 99
+
+
+def test_a_constrained_request_leaves_its_batch_neighbours_unchanged(tiny):
+    draft = tiny[1]
+    alone = [r.token_ids for r in _engine(tiny, draft).generate(PROMPTS, max_new_tokens=24)]
+    engine = _engine(tiny, draft)
+    seqs = [engine.add_request(p, _params(json.dumps(CHOICE) if i == 1 else None)) for i, p in enumerate(PROMPTS)]
+    while engine.has_unfinished():
+        engine.step()
+    assert [seqs[0].output_ids, seqs[2].output_ids] == [alone[0], alone[2]]
+    assert seqs[1].output_ids != alone[1]
+
+
+def _params(js: str | None):
+    from dlite_ray.engine.sequence import SamplingParams
+
+    return SamplingParams(max_new_tokens=24, json_schema=js)
+
+
+def _masked_choice_distribution(target, tok, temperature: float) -> torch.Tensor:
+    """P(value) under the mask: the target's distribution after '{"x": "' restricted to a..d."""
+    prompt = PROMPTS[0] + tok('{"x": "', add_special_tokens=False)["input_ids"]
+    logits = forward_all(new_runner(target), new_seq(prompt), prompt).logits[-1]
+    p = torch.softmax(logits / temperature, -1)
+    allowed = torch.zeros_like(p)
+    ids = [tok.convert_tokens_to_ids(c) for c in "abcd"]
+    allowed[ids] = p[ids]
+    return allowed / allowed.sum()
+
+
+@pytest.mark.parametrize("verify_mode", ["rejection", "match"])
+def test_sampled_replies_under_a_schema_follow_the_masked_target(tiny, verify_mode):
+    target, draft, tok = tiny
+    want = _masked_choice_distribution(target, tok, 0.9)
+    engine = _engine(tiny, draft)
+    got = []
+    for rep in range(2):
+        out = engine.generate([PROMPTS[0]] * 300, max_new_tokens=16, temperature=0.9, seed=rep * 1000,
+                              verify_mode=verify_mode, json_schema=json.dumps(CHOICE))
+        got += [tok.convert_tokens_to_ids(json.loads(_text(tok, r.token_ids))["x"]) for r in out]
+    assert chi2_pvalue(got, want.double().numpy()) > 1e-3
+
+
+@pytest.mark.parametrize("schema, message", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"type": "objekt"}', "not usable"),
+])
+def test_bad_schemas_are_refused_and_nothing_else_is_disturbed(tiny, schema, message):
+    engine = _engine(tiny)
+    with pytest.raises(InvalidRequest, match=message):
+        engine.generate(PROMPTS[0], max_new_tokens=4, json_schema=schema)
+    with pytest.raises(InvalidRequest, match=message):
+        grammar_for_schema(schema)
+    assert not engine.has_unfinished()
+    assert len(engine.generate(PROMPTS[0], max_new_tokens=4)[0].token_ids) == 4
+
+
+def test_a_schema_must_be_json_text():
+    from dlite_ray.engine.sequence import SamplingParams
+
+    with pytest.raises(InvalidRequest, match="JSON text"):
+        SamplingParams(json_schema={"type": "object"})
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_in_the_schema_with_and_without_the_draft():
+    spec = DLiteEngine.from_pretrained()
+    plain = DLiteEngine(spec.target, spec.tokenizer, None)
+    schema = json.dumps({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                         "required": ["city", "days"]})
+    msgs = [{"role": "user", "content": "Plan a trip: which city, and for how many days? Answer in JSON."}]
+    got = spec.generate(msgs, max_new_tokens=64, json_schema=schema)[0]
+    want = plain.generate(msgs, max_new_tokens=64, json_schema=schema)[0]
+    assert got.token_ids == want.token_ids  # float32: exact
+    assert got.finish_reason == "stop"
+    reply = json.loads(got.text)
+    assert isinstance(reply["city"], str) and isinstance(reply["days"], int)
