@@ -17,6 +17,7 @@ free whitespace a small model can pad a reply with blanks until its token budget
 from __future__ import annotations
 
 import json
+import logging
 
 import llguidance
 import llguidance.hf
@@ -28,6 +29,8 @@ from dlite_ray.engine.sequence import InvalidRequest
 ANY_JSON_OBJECT = '{"type": "object"}'
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
+
+log = logging.getLogger(__name__)
 
 
 def grammar_for_schema(schema: str) -> str:
@@ -52,18 +55,19 @@ class GrammarTokenizer:
     """The tokenizer as llguidance reads it (built once per engine: ~0.4 s for 49K tokens)."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_ids = vocab_size, eos_ids
         self.ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
     def matcher(self, schema: str) -> OutputGrammar:
-        return OutputGrammar(llguidance.LLMatcher(self.ll, grammar_for_schema(schema), log_level=0), self.vocab_size)
+        matcher = llguidance.LLMatcher(self.ll, grammar_for_schema(schema), log_level=0)
+        return OutputGrammar(matcher, self.vocab_size, self.eos_ids)
 
 
 class OutputGrammar:
     """One request's grammar state: it follows the committed reply and masks verify rows."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
         self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def allowed_rows(self, proposed: list[int]) -> torch.Tensor:
@@ -85,11 +89,16 @@ class OutputGrammar:
             if self.matcher.is_stopped():  # complete: only end-of-sequence was allowed, and the reply ends
                 return
             if not self.matcher.consume_token(tok):
-                raise RuntimeError(f"a committed token left the grammar: {self.matcher.get_error()}")
+                log.warning("a committed token left the grammar: %s", self.matcher.get_error())
+                return
 
     def _allowed_now(self) -> torch.Tensor:
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
-        return unpack_bitmask(self._bitmask[0], self.vocab_size)
+        allowed = unpack_bitmask(self._bitmask[0], self.vocab_size)
+        if not allowed.any():  # the matcher failed (a parser resource limit): end this reply, not the batch
+            log.warning("the grammar allows no token (%s): the reply ends", self.matcher.get_error())
+            allowed[list(self.eos_ids)] = True
+        return allowed
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -233,7 +233,7 @@ class DLiteIngress:
     async def _generate(self, parsed: ParsedRequest, route_to: str | None = None,
                         conversation: str | None = None) -> AsyncIterator[dict]:
         params = {f: getattr(parsed.params, f)
-                  for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs")}
+                  for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "json_schema")}
         prompt, forced = parsed.prompt, parsed.reply_prefix
         if forced:  # a forced call: the prompt's tokens, then the reply's beginning (as prompt tokens)
             prompt = await self.worker.encode.remote(prompt) + await self.worker.encode.remote(forced)

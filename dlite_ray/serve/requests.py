@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
+from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_schema
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
 from dlite_ray.serve.tool_calls import Tool, ToolCall, render_tool_calls
@@ -62,6 +63,8 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
         raise BadRequest("the body must be a JSON object")
     messages, tools = _messages_and_tools(body, limits)
     forced = _forced_tool(body.get("tool_choice"), tools)
+    if forced is not None and body.get("response_format") not in (None, {"type": "text"}):
+        raise BadRequest("tool_choice forces a call and response_format asks for JSON: ask for one of them")
     return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools,
                          reply_prefix="" if forced is None else f"{forced}(")
 
@@ -170,9 +173,40 @@ def sampling(body: dict, limits: LimitArgs, logprobs: int | None = None) -> Samp
         raise BadRequest(f"top_k must be an integer in [0, {TOP_K_MAX}], got {top_k!r}")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              stop=_stop_strings(body.get("stop")), logprobs=logprobs)
+                              stop=_stop_strings(body.get("stop")), logprobs=logprobs,
+                              json_schema=_response_format(body.get("response_format")))
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from exc
+
+
+def _response_format(raw: Any) -> str | None:
+    """OpenAI's `response_format` -> the JSON schema the reply must match (None: free text).
+
+    "json_object" is any JSON object; "json_schema" carries {name, schema, strict}, and every
+    schema is decoded strictly (the reply always matches it). The schema is compiled here,
+    so one the engine could not use is a 400 before any worker sees it."""
+    if raw is None:
+        return None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind != "json_schema":
+        raise BadRequest("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
+                         "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    spec = raw.get("json_schema")
+    schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+    if not isinstance(schema, dict) or not isinstance(spec.get("name", ""), str):
+        raise BadRequest("response_format.json_schema must be {'name': str, 'schema': {...}}")
+    try:
+        text = json.dumps(schema)
+        grammar_for_schema(text)
+    except RecursionError as exc:
+        raise BadRequest("response_format's schema is nested too deeply") from exc
+    except InvalidRequest as exc:
+        raise BadRequest(f"response_format: {exc}") from exc
+    return text
 
 
 def _stop_strings(raw: Any) -> tuple[str, ...]:
@@ -365,7 +399,18 @@ def _grpc_sampling_body(request) -> dict:
                             "top_p": request.top_p or 1.0, "stop": list(request.stop)}
     if request.seed:
         body["seed"] = request.seed
+    if request.json_schema:
+        body["response_format"] = _grpc_response_format(request.json_schema)
     return body
+
+
+def _grpc_response_format(schema: str) -> dict:
+    """`json_schema` (a schema as JSON text) in OpenAI's shape."""
+    try:
+        parsed = json.loads(schema)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise BadRequest(f"json_schema is not JSON: {exc}") from exc
+    return {"type": "json_schema", "json_schema": {"name": "grpc", "schema": parsed}}
 
 
 def _grpc_messages(messages) -> list[dict]:

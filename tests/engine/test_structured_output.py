@@ -139,6 +139,13 @@ def test_bad_schemas_are_refused_and_nothing_else_is_disturbed(tiny, schema, mes
     assert len(engine.generate(PROMPTS[0], max_new_tokens=4)[0].token_ids) == 4
 
 
+def test_a_failed_matcher_ends_its_reply_instead_of_failing_the_step(tiny):
+    grammar = _engine(tiny)._grammar_tokenizer().matcher(json.dumps(CHOICE))
+    grammar.advance([tiny[2].convert_tokens_to_ids("x")])  # not JSON: the matcher enters its error state
+    assert grammar.matcher.is_error()
+    assert grammar.allowed_rows([7, 8]).nonzero().tolist() == [[0, 2]]  # one row, end-of-sequence only
+
+
 def test_a_schema_must_be_json_text():
     from dlite_ray.engine.sequence import SamplingParams
 

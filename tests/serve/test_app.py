@@ -280,6 +280,38 @@ def test_tools_over_grpc_and_in_conversations(serve_app, tiny_serving_model):
     assert stored[:-1] == parsed.prompt and stored[-1] == {"role": "assistant", "content": reply.text}
 
 
+def test_structured_output_over_http_grpc_and_conversations(serve_app, tiny_serving_model):
+    """response_format (HTTP) and json_schema (gRPC) give the library engine's reply under
+    the same schema; even the tiny random model's reply is then JSON the schema accepts."""
+    from dlite_ray.engine.engine import DLiteEngine
+
+    schema = {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 4},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["tag", "n"], "additionalProperties": False}
+    engine = DLiteEngine.from_pretrained(*tiny_serving_model, adaptive_draft_length=False)
+    reply = engine.generate(MESSAGES, max_new_tokens=40, json_schema=json.dumps(schema))[0]
+    assert reply.finish_reason == "stop" and set(json.loads(reply.text)) == {"tag", "n"}
+
+    body = {"messages": MESSAGES, "max_tokens": 40,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "tagged", "schema": schema}}}
+    got = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=120).json()["choices"][0]
+    assert (got["message"]["content"], got["finish_reason"]) == (reply.text, "stop")
+    assert "".join(_stream_pieces(body)) == reply.text
+
+    req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**MESSAGES[0])], max_tokens=40,
+                                    json_schema=json.dumps(schema))
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        chunks = list(dlite_pb2_grpc.DLiteServiceStub(channel).Generate(req, metadata=GRPC_A, timeout=120))
+    assert "".join(c.text for c in chunks) == reply.text
+
+    opening = {"messages": [{"role": "system", "content": "Answer in JSON."}]}
+    cid = requests.post(f"{URL}/v1/conversations", json=opening, headers=AUTH_A, timeout=60).json()["id"]
+    turn_body = {"messages": MESSAGES, "max_tokens": 40, "response_format": body["response_format"]}
+    turn = requests.post(f"{URL}/v1/conversations/{cid}/messages", json=turn_body, headers=AUTH_A,
+                         timeout=120).json()
+    assert set(json.loads(turn["message"]["content"])) == {"tag", "n"}
+
+
 def test_models_health_and_metrics(serve_app):
     assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
     assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -299,6 +331,11 @@ def test_models_health_and_metrics(serve_app):
     ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": MESSAGES, "stop": [""]}, "stop"),
     ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options needs stream"),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objekt"}}}}, "not usable"),
+    ({"messages": MESSAGES, "response_format": {"type": "json_object"}, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, "ask for one of them"),
 ])
 def test_bad_requests_get_openai_errors(serve_app, body, message):
     r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=30)

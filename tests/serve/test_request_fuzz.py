@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlite_ray.engine.sequence import SamplingParams
+from dlite_ray.engine.structured_output import grammar_for_schema
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import ServeError
 from dlite_ray.serve.proto import dlite_pb2
@@ -82,6 +83,20 @@ good_tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.f
 odd_tool = one_odd_field({"type": st.just("function")}, {"function": json_values | st.fixed_dictionaries(
     {"name": json_values}, optional={"parameters": json_values})}) | json_values
 not_finite = st.sampled_from([math.nan, math.inf, -math.inf])
+small_schema = st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "integer", "array"])},
+                                     optional={"properties": st.dictionaries(st.text(max_size=4), st.fixed_dictionaries(
+                                         {"type": st.sampled_from(["string", "number", "boolean"])}), max_size=3),
+                                               "maxLength": st.integers(0, 9)})
+good_format = st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | st.fixed_dictionaries(
+    {"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries({"name": st.text(max_size=6)},
+                                                                          optional={"schema": small_schema})})
+# schemas made of anything: the engine's grammar compiler must answer them with a 400, never a crash
+odd_format = st.fixed_dictionaries({"type": st.sampled_from(["json_schema", "json_object", "yaml"]) | json_values,
+                                    "json_schema": json_values | st.fixed_dictionaries(
+                                        {"name": json_values, "schema": json_values | st.dictionaries(
+                                            st.sampled_from(["type", "properties", "enum", "$ref", "pattern",
+                                                             "minimum", "items", "anyOf"]) | any_text,
+                                            json_values, max_size=4)})}) | json_values
 valid_fields = {
     "messages": st.lists(good_message, min_size=1, max_size=4),
     "prompt": any_text,
@@ -99,6 +114,7 @@ valid_fields = {
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "tool_choice": st.sampled_from(["auto", "none"]),
     "parallel_tool_calls": st.booleans(),
+    "response_format": good_format,
 }
 odd_fields = {
     "messages": odd_messages | st.lists(json_values, max_size=3) | json_values,
@@ -118,6 +134,7 @@ odd_fields = {
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": json_values}) | json_values,
     "tool_choice": st.sampled_from(["required"]) | json_values,
     "parallel_tool_calls": json_values,
+    "response_format": odd_format,
 }
 bodies = one_odd_field(valid_fields, odd_fields, required=("messages",)) \
     | one_odd_field(valid_fields, odd_fields, required=("prompt",)) | json_values
@@ -131,6 +148,8 @@ def _assert_runnable(params: SamplingParams) -> None:
     assert params.seed is None or INT64_MIN <= params.seed <= INT64_MAX
     assert params.logprobs is None or (type(params.logprobs) is int and 0 <= params.logprobs <= MAX_LOGPROBS)
     assert isinstance(params.stop, tuple) and len(params.stop) <= 4
+    if params.json_schema is not None:
+        grammar_for_schema(params.json_schema)  # what the engine compiles: it must take the schema
     for stop in params.stop:
         assert type(stop) is str and stop
         stop.encode("utf-8")
@@ -222,6 +241,7 @@ def test_hostile_bodies_found_by_hand(raw, status):
 proto_text = st.text(max_size=12)
 json_object_text = st.dictionaries(proto_text, json_values).map(json.dumps)  # escapes: proto strings are UTF-8
 proto_json = json_object_text | json_values.map(json.dumps) | proto_text
+proto_schema = st.just("") | proto_json | small_schema.map(json.dumps)
 proto_calls = st.lists(st.builds(dlite_pb2.ToolCall, id=proto_text, name=proto_text, arguments_json=proto_json),
                        max_size=2)
 proto_messages = st.lists(st.builds(dlite_pb2.Message, role=st.sampled_from([*ROLES, "wizard", ""]) | proto_text,
@@ -238,7 +258,8 @@ sampling_fields = {"max_tokens": int32 | st.integers(min_value=0, max_value=80),
 @given(st.builds(dlite_pb2.GenerateRequest, messages=proto_messages, prompt=proto_text, top_k=int32,
                  logprobs=st.booleans(), top_logprobs=int32 | st.integers(min_value=0, max_value=25),
                  stop=st.lists(proto_text, max_size=5), tools=proto_tools,
-                 tool_choice=st.sampled_from(["", "auto", "none", "required"]) | proto_text, **sampling_fields))
+                 tool_choice=st.sampled_from(["", "auto", "none", "required"]) | proto_text, json_schema=proto_schema,
+                 **sampling_fields))
 def test_grpc_generate_requests(request):
     parsed = _decode_or_client_error(parse_grpc_generate, request)
     if parsed is not None:
@@ -248,7 +269,8 @@ def test_grpc_generate_requests(request):
 @FUZZ
 @given(st.builds(dlite_pb2.AppendRequest, messages=proto_messages, lease_seconds=int32,
                  stop=st.lists(proto_text, max_size=5), logprobs=st.booleans(),
-                 top_logprobs=int32 | st.integers(min_value=0, max_value=25), **sampling_fields),
+                 top_logprobs=int32 | st.integers(min_value=0, max_value=25), json_schema=proto_schema,
+                 **sampling_fields),
        st.builds(dlite_pb2.CreateConversationRequest, messages=proto_messages, tools=proto_tools))
 def test_grpc_conversation_requests(append, create):
     turn = _decode_or_client_error(parse_grpc_append, append)
