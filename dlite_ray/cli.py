@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--verify-mode", choices=["greedy", "rejection", "match"], default=None)
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable): the reply ends before it")
+    gen.add_argument("--json-schema", default=None,
+                     help="the reply must be JSON this schema accepts: JSON text, or @FILE ('{}' any JSON)")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
     sub.add_parser("fetch-model", help="fetch and convert the default target into the user cache")
@@ -134,12 +136,16 @@ def cmd_generate(args) -> int:
                 prompt = json.load(f)
         else:
             prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}]
+        schema = args.json_schema
+        if schema is not None and schema.startswith("@"):
+            with open(schema[1:]) as f:
+                schema = f.read()
         engine = _engine(args)
         stream = None if args.json else TextStream(engine.decode_output, tuple(args.stop))
         printer = None if stream is None else (lambda _i, toks: print(stream.push(toks, False), end="", flush=True))
         result = engine.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_k=args.top_k, top_p=args.top_p, seed=args.seed, verify_mode=args.verify_mode,
-                                 stop=tuple(args.stop), callback=printer)[0]
+                                 stop=tuple(args.stop), json_schema=schema, callback=printer)[0]
     except (InvalidRequest, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

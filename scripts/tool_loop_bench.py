@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
-from tqdm import tqdm
-
+from dlite_ray.bench.paired import paired_runs, speedup_lines
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.requests import parse_chat
@@ -49,27 +46,13 @@ def main() -> None:
                             "tools": [WEATHER]}, LimitArgs()) for c in CITIES]
     engines = {"dlite": DLiteEngine.from_pretrained(dtype="bfloat16"),
                "plain": DLiteEngine.from_pretrained(draft=None, dtype="bfloat16")}
-    seconds = {name: [] for name in engines}
-    texts = {name: [] for name in engines}
-    for rep in tqdm(range(args.repeats + 1), desc="passes (the first warms up)"):
-        order = list(engines.items()) if rep % 2 else list(engines.items())[::-1]
-        for req in requests:
-            for name, engine in order:
-                started = time.perf_counter()
-                reply = engine.generate(req.prompt, max_new_tokens=args.max_new_tokens)[0]
-                if rep:
-                    seconds[name].append(time.perf_counter() - started)
-                if rep == 1:
-                    texts[name].append(reply.text)
+    seconds, results = paired_runs(engines, requests, args.repeats,
+                                   lambda engine, req: engine.generate(req.prompt, max_new_tokens=args.max_new_tokens)[0])
+    texts = {name: [r.text for r in rs] for name, rs in results.items()}
     calls = sum(parse_tool_calls(t, requests[0].tools) is not None for t in texts["dlite"])
     print(f"identical replies: {texts['dlite'] == texts['plain']}; replies that are calls: {calls}/{len(CITIES)}")
     print("e.g.", texts["dlite"][:2])
-    for name in engines:
-        print(f"{name}: median request {1000 * statistics.median(seconds[name]):.1f} ms")
-    ratios = [p / d for p, d in zip(seconds["plain"], seconds["dlite"])]
-    quartiles = statistics.quantiles(ratios, n=4)
-    print(f"speedup per request: median {statistics.median(ratios):.2f}x, quartiles {quartiles[0]:.2f}x-"
-          f"{quartiles[2]:.2f}x; total {sum(seconds['plain']) / sum(seconds['dlite']):.2f}x")
+    print("\n".join(speedup_lines(seconds, "dlite", "plain")))
 
 
 if __name__ == "__main__":

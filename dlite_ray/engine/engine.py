@@ -22,7 +22,7 @@ from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.engine.stop_strings import StopStrings, text_before_stop
-from dlite_ray.engine.structured_output import GrammarTokenizer
+from dlite_ray.engine.structured_output import GrammarTokenizer, grammar_for_schema
 from dlite_ray.engine.trace import Trace
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -187,8 +187,8 @@ class DLiteEngine:
             raise InvalidRequest(f"logprobs={params.logprobs} exceeds the vocabulary ({vocab})")
         if params.stop:
             seq.stop_strings = StopStrings(params.stop, self.decode_output)
-        if params.json_schema is not None:
-            seq.grammar = self._grammar_tokenizer().matcher(params.json_schema)
+        if params.grammar is not None:
+            seq.grammar = self._grammar_tokenizer().matcher(params.grammar)
         if request_id is not None:
             if request_id in self._by_id:
                 raise InvalidRequest(f"request id {request_id!r} is already running")
@@ -304,12 +304,13 @@ class DLiteEngine:
         """
         batch = prompts if _is_batch(prompts) else [prompts]
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
+        grammar = None if json_schema is None else grammar_for_schema(json_schema)
         seqs = []
         for i, ids in enumerate(encoded):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=None if seed is None else seed + i, verify_mode=verify_mode,
                                     stop_token_ids=tuple(stop_token_ids), stop=stop, ignore_eos=ignore_eos,
-                                    trace_top_k=trace_top_k, logprobs=logprobs, json_schema=json_schema)
+                                    trace_top_k=trace_top_k, logprobs=logprobs, grammar=grammar)
             seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}
         try:

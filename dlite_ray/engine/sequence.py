@@ -36,7 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, distribution tests)
     trace_top_k: int = 0  # > 0: keep a Trace of each output position (tap features, top-k distribution)
     logprobs: int | None = None  # n >= 0: each output token's logprob and the n most likely tokens'
-    json_schema: str | None = None  # JSON text of a schema the output must match (structured_output.py)
+    grammar: str | None = None  # what the output must match: structured_output.grammar_for_schema / _for_calls
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
@@ -53,8 +53,8 @@ class SamplingParams:
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or self.logprobs < 0):
             raise InvalidRequest(f"logprobs must be an integer >= 0 (or None), got {self.logprobs!r}")
-        if self.json_schema is not None and not isinstance(self.json_schema, str):
-            raise InvalidRequest(f"json_schema must be a schema as JSON text, got {type(self.json_schema).__name__}")
+        if self.grammar is not None and not isinstance(self.grammar, str):
+            raise InvalidRequest(f"grammar must be a grammar's text, got {type(self.grammar).__name__}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.verify_mode is not None and self.verify_mode not in VERIFY_MODES:
@@ -131,7 +131,7 @@ class Sequence:
     trace: Trace | None = None  # with params.trace_top_k > 0: a row per output token
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs set: an entry per output token
     stop_strings: StopStrings | None = None  # with params.stop: set by the engine, which holds the tokenizer
-    grammar: OutputGrammar | None = None  # with params.json_schema: set by the engine, likewise
+    grammar: OutputGrammar | None = None  # with params.grammar: set by the engine, likewise
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:

@@ -1,5 +1,6 @@
-"""Structured output (`SamplingParams.json_schema`, OpenAI's `response_format`): the reply
-must be JSON that a schema accepts.
+"""Structured output: the reply must match a grammar (`SamplingParams.grammar`): JSON a
+schema accepts (OpenAI's `response_format`), or one call to one of a request's tools
+(`tool_choice` naming a function, or "required").
 
 The grammar masks the target's logits, never the draft's. Verify row m of a round holds the
 target's logits after [anchor, d_1..d_m]; it is masked to the tokens the grammar allows
@@ -10,8 +11,9 @@ drafted token the grammar refuses has probability 0 under its row, so it is alwa
 rejected; the rows after it are never read and stay unmasked.
 
 The matcher is llguidance's (an Earley parser over the tokenizer's byte trie; a mask
-takes microseconds). Separators are fixed to ", " and ": " with no other whitespace: with
-free whitespace a small model can pad a reply with blanks until its token budget runs out.
+takes microseconds). Grammars travel as llguidance's serialised text. JSON separators are
+fixed to ", " and ": " with no other whitespace: with free whitespace a small model can pad
+a reply with blanks until its token budget runs out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ log = logging.getLogger(__name__)
 
 
 def grammar_for_schema(schema: str) -> str:
-    """A JSON schema (as JSON text) -> the llguidance grammar; InvalidRequest names what is wrong."""
+    """A JSON schema (as JSON text) -> the grammar of JSON it accepts; InvalidRequest names what is wrong."""
     try:
         parsed = json.loads(schema)
     except (TypeError, ValueError) as exc:
@@ -45,9 +47,58 @@ def grammar_for_schema(schema: str) -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(parsed, defaults=_JSON_OPTIONS)
     except ValueError as exc:
         raise InvalidRequest(f"json_schema is not usable: {exc}") from None
+    return checked(grammar, "json_schema")
+
+
+def grammar_for_calls(functions: list[dict]) -> str:
+    """One call to one of `functions` (OpenAI function objects: name, parameters), written
+    as the tools prompt asks, `name(arg=value, ...)`: each value is JSON its property's
+    schema accepts; required arguments come first, in the schema's order, then any of the
+    optional ones, in order."""
+    rules = ["start: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
+    for i, fn in enumerate(functions):
+        rules += _call_rules(i, fn["name"], fn.get("parameters") or {})
+    return checked(llguidance.LLMatcher.grammar_from_lark("\n".join(rules)), "tools")
+
+
+def _call_rules(i: int, name: str, parameters: dict) -> list[str]:
+    properties = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    rules, args = [], {}
+    for j, (arg, schema) in enumerate(properties.items()):
+        if not arg.isidentifier():
+            raise InvalidRequest(f"tool {name!r}: argument {arg!r} is not a Python name, so no call can be forced")
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"tool {name!r}: the schema of argument {arg!r} must be an object")
+        rules.append(f"value_{i}_{j}: %json {json.dumps(schema | {'x-guidance': _JSON_OPTIONS})}")
+        args[arg] = f"{_lark_string(arg + '=')} value_{i}_{j}"
+    listed = _argument_list([a for p, a in args.items() if p in required], [a for p, a in args.items()
+                                                                           if p not in required])
+    return [f"call_{i}: {_lark_string(name + '(')} {listed} \")\"", *rules]
+
+
+def _argument_list(required: list[str], optional: list[str]) -> str:
+    """Lark for: every required argument, then any of the optional ones, in order, ", " between."""
+    def tail(items: list[str]) -> str:
+        return " ".join(f'(", " {item})?' for item in items)
+
+    if required:
+        return " ".join([' ", " '.join(required), tail(optional)])
+    if not optional:
+        return ""
+    starts = [f"{item} {tail(optional[k + 1:])}" for k, item in enumerate(optional)]
+    return "(" + " | ".join(f"({s})" for s in starts) + ")?"
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def checked(grammar: str, what: str) -> str:
+    """`grammar`, once llguidance has compiled it; InvalidRequest with its error otherwise."""
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise InvalidRequest(f"json_schema is not usable: {error}")
+        raise InvalidRequest(f"{what} is not usable: {error}")
     return grammar
 
 
@@ -58,8 +109,10 @@ class GrammarTokenizer:
         self.vocab_size, self.eos_ids = vocab_size, eos_ids
         self.ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
-    def matcher(self, schema: str) -> OutputGrammar:
-        matcher = llguidance.LLMatcher(self.ll, grammar_for_schema(schema), log_level=0)
+    def matcher(self, grammar: str) -> OutputGrammar:
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"the grammar is not usable: {matcher.get_error()}")
         return OutputGrammar(matcher, self.vocab_size, self.eos_ids)
 
 

@@ -16,8 +16,8 @@ from dlite_ray.serve.tool_calls import CALL, MAX_PARSED_CHARS, TEXT, Tool, ToolC
 
 
 class HeldReply:
-    def __init__(self, tools: tuple[Tool, ...], forced: bool = False):
-        self.tools, self.forced = tools, forced  # forced: the reply begins with a call tool_choice forced
+    def __init__(self, tools: tuple[Tool, ...]):
+        self.tools = tools
         self.holding = bool(tools)
         self._call_started = False  # once it starts like a call, it is held to the end: no rescans
         self._text, self._entries = "", []
@@ -40,7 +40,7 @@ class HeldReply:
 
     def finish(self) -> tuple[str, list, list[ToolCall] | None]:
         """At the end: the text still held and its entries, and the calls when that text is calls."""
-        calls = reply_calls(self._text, self.tools, self.forced) if self._call_started else None
+        calls = reply_calls(self._text, self.tools) if self._call_started else None
         self.holding = False
         text, entries = self._release()
         return ("" if calls else text), entries, calls
@@ -55,12 +55,11 @@ class HeldReply:
         return out
 
 
-async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...],
-                              forced: bool = False) -> AsyncIterator[dict]:
+async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...]) -> AsyncIterator[dict]:
     """A reply's chunks with their text and logprob entries held back while the reply may
     become calls to `tools` (`raw_text` keeps each chunk's text as generated). The last chunk
     carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text."""
-    held = HeldReply(tools, forced)
+    held = HeldReply(tools)
     async for chunk in chunks:
         text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
         calls = None

@@ -105,7 +105,7 @@ class DLiteIngress:
                 return self._error_response(exc)
         usage = _usage(stats, n)
         if chat:
-            message, finish = chat_message(text, finish, parsed.tools, bool(parsed.reply_prefix))
+            message, finish = chat_message(text, finish, parsed.tools)
             choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish}
@@ -120,7 +120,7 @@ class DLiteIngress:
         n, stats = 0, None
         first = chat  # a chat stream's first delta names the role, as OpenAI's do
         try:
-            async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools, bool(parsed.reply_prefix)):
+            async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
                 n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
                 if not (chunk["text"] or chunk["logprobs"] or chunk["finished"]):
                     continue  # held back: nothing to send yet
@@ -233,18 +233,13 @@ class DLiteIngress:
     async def _generate(self, parsed: ParsedRequest, route_to: str | None = None,
                         conversation: str | None = None) -> AsyncIterator[dict]:
         params = {f: getattr(parsed.params, f)
-                  for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "json_schema")}
-        prompt, forced = parsed.prompt, parsed.reply_prefix
-        if forced:  # a forced call: the prompt's tokens, then the reply's beginning (as prompt tokens)
-            prompt = await self.worker.encode.remote(prompt) + await self.worker.encode.remote(forced)
+                  for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "grammar")}
         started = time.perf_counter()
         stream = self.worker.options(stream=True).generate.remote(
-            prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(parsed.prompt))
+            parsed.prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(parsed.prompt))
         async for chunk in stream:
             if chunk["finished"]:
                 self.metrics.finished(chunk["stats"] or {}, time.perf_counter() - started)
-            if forced:  # the client sees the whole reply, the forced beginning included
-                chunk, forced = {**chunk, "text": forced + chunk["text"]}, ""
             yield chunk
 
     # -- gRPC (method names = RPC names) --------------------------------------------------------
@@ -259,7 +254,7 @@ class DLiteIngress:
         with slot:  # a cancelled RPC closes this generator, which releases the slot
             try:
                 await self.worker.encode.remote(parsed.prompt)
-                async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools, bool(parsed.reply_prefix)):
+                async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
                     yield _proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)

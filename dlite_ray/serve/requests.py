@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
-from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_schema
+from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_calls, grammar_for_schema
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
 from dlite_ray.serve.tool_calls import Tool, ToolCall, render_tool_calls
@@ -34,7 +34,6 @@ class ParsedRequest:
     stream: bool = False
     include_usage: bool = False  # a stream ends with a chunk of token counts (stream_options)
     tools: tuple[Tool, ...] = ()  # offered to the model: a reply that calls them is tool_calls
-    reply_prefix: str = ""  # the reply is made to begin with this: a call forced by tool_choice
 
 
 @dataclass(slots=True)
@@ -62,11 +61,17 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     messages, tools = _messages_and_tools(body, limits)
-    forced = _forced_tool(body.get("tool_choice"), tools)
-    if forced is not None and body.get("response_format") not in (None, {"type": "text"}):
-        raise BadRequest("tool_choice forces a call and response_format asks for JSON: ask for one of them")
-    return ParsedRequest(messages, sampling(body, limits, _chat_logprobs(body)), *_streaming(body), tools=tools,
-                         reply_prefix="" if forced is None else f"{forced}(")
+    params = sampling(body, limits, _chat_logprobs(body))
+    forced = _forced_tools(body.get("tool_choice"), tools)
+    if forced:
+        if params.grammar is not None:
+            raise BadRequest("tool_choice forces a call and response_format asks for JSON: ask for one of them")
+        functions = [t["function"] for t in body["tools"] if t["function"]["name"] in forced]
+        try:
+            params = replace(params, grammar=grammar_for_calls(functions))
+        except InvalidRequest as exc:
+            raise BadRequest(f"tool_choice: {exc}") from exc
+    return ParsedRequest(messages, params, *_streaming(body), tools=tools)
 
 
 def _messages_and_tools(body: dict, limits: LimitArgs) -> tuple[list[dict[str, str]], tuple[Tool, ...]]:
@@ -85,21 +90,17 @@ def _offered_tools(body: dict) -> tuple[Tool, ...]:
     return () if choice == "none" else tools
 
 
-def _forced_tool(choice: Any, tools: tuple[Tool, ...]) -> str | None:
-    """The tool a `tool_choice` forces a call to, or None ("auto", "none", absent).
-
-    A call to one known tool is forced exactly by making the reply begin "name(": the model
-    writes the arguments (a reply that does not close them as a call comes back as text).
-    "required" with several tools would need decoding constrained to their calls' grammar,
-    identically in draft and verify; it is refused rather than silently not forced."""
+def _forced_tools(choice: Any, tools: tuple[Tool, ...]) -> set[str]:
+    """The tools one of which `tool_choice` forces a call to: a named function, or every
+    offered tool for "required"; none for "auto", "none" or no choice. The reply is then
+    decoded under the grammar of such calls (`structured_output.grammar_for_calls`)."""
     if choice in (None, "auto", "none"):
-        return None
-    names = [t.name for t in tools]
+        return set()
+    names = {t.name for t in tools}
     if choice == "required":
-        if len(names) != 1:
-            raise BadRequest("tool_choice 'required' is served with exactly one tool (forcing one of several "
-                             "needs constrained decoding): name the function instead")
-        return names[0]
+        if not names:
+            raise BadRequest("tool_choice 'required' needs 'tools'")
+        return names
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -107,7 +108,7 @@ def _forced_tool(choice: Any, tools: tuple[Tool, ...]) -> str | None:
                          "{'type': 'function', 'function': {'name': ...}}")
     if name not in names:
         raise BadRequest("tool_choice names a function that is not in 'tools'")
-    return name
+    return {name}
 
 
 def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
@@ -174,13 +175,13 @@ def sampling(body: dict, limits: LimitArgs, logprobs: int | None = None) -> Samp
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               stop=_stop_strings(body.get("stop")), logprobs=logprobs,
-                              json_schema=_response_format(body.get("response_format")))
+                              grammar=_response_format(body.get("response_format")))
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from exc
 
 
 def _response_format(raw: Any) -> str | None:
-    """OpenAI's `response_format` -> the JSON schema the reply must match (None: free text).
+    """OpenAI's `response_format` -> the grammar of JSON the reply must be (None: free text).
 
     "json_object" is any JSON object; "json_schema" carries {name, schema, strict}, and every
     schema is decoded strictly (the reply always matches it). The schema is compiled here,
@@ -191,7 +192,7 @@ def _response_format(raw: Any) -> str | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ANY_JSON_OBJECT
+        return grammar_for_schema(ANY_JSON_OBJECT)
     if kind != "json_schema":
         raise BadRequest("response_format must be {'type': 'text'}, {'type': 'json_object'} or "
                          "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
@@ -200,13 +201,11 @@ def _response_format(raw: Any) -> str | None:
     if not isinstance(schema, dict) or not isinstance(spec.get("name", ""), str):
         raise BadRequest("response_format.json_schema must be {'name': str, 'schema': {...}}")
     try:
-        text = json.dumps(schema)
-        grammar_for_schema(text)
+        return grammar_for_schema(json.dumps(schema))
     except RecursionError as exc:
         raise BadRequest("response_format's schema is nested too deeply") from exc
     except InvalidRequest as exc:
         raise BadRequest(f"response_format: {exc}") from exc
-    return text
 
 
 def _stop_strings(raw: Any) -> tuple[str, ...]:

@@ -4,7 +4,8 @@ A request's `tools` are offered in a system message that asks for calls in that 
 (`requests.TOOLS_PREAMBLE`, the form BFCL prompts use). A reply that is nothing but calls to
 the offered tools, `f(a=1)` or `[f(a=1), g(b="x")]` (optionally in a code fence), comes back
 as OpenAI `tool_calls` with JSON arguments; anything else is text. Calls are read with
-Python's own parser and `ast.literal_eval`, never evaluated: arguments must be literals.
+Python's own parser and `ast.literal_eval`, never evaluated: arguments must be literals
+(Python's, or JSON's true / false / null).
 
 The other direction: an assistant message's `tool_calls` are written back in the same form,
 so the model reads its earlier calls as it would have written them.
@@ -60,32 +61,9 @@ def parse_tool_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | Non
     return calls if calls and all(c is not None for c in calls) else None
 
 
-def reply_calls(text: str, tools: tuple[Tool, ...], forced: bool = False) -> list[ToolCall] | None:
-    """The calls a reply makes; a forced call's reply is read up to the end of its call."""
-    if not tools:
-        return None
-    return parse_tool_calls(through_first_call(text) if forced else text, tools)
-
-
-def through_first_call(text: str) -> str:
-    """`text` up to the bracket that closes its first call: a call forced by tool_choice is
-    the whole reply, and a model may go on writing after it. Quoted text is skipped; a reply
-    whose call never closes is returned whole (and will not parse)."""
-    depth, quote, escaped = 0, "", False
-    for i, ch in enumerate(text):
-        if escaped:
-            escaped = False
-        elif quote:
-            escaped, quote = ch == "\\", "" if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                return text[:i + 1]
-    return text
+def reply_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | None:
+    """The calls a reply makes, or None (text, or no tools offered)."""
+    return parse_tool_calls(text, tools) if tools else None
 
 
 def _unfenced(body: str) -> str:
@@ -104,14 +82,29 @@ def _call(node: ast.expr, tools: dict[str, Tool]) -> ToolCall | None:
     if tool is None or len(node.args) > len(tool.parameters):
         return None
     try:
-        arguments = {p: ast.literal_eval(a) for p, a in zip(tool.parameters, node.args)}
+        arguments = {p: _literal(a) for p, a in zip(tool.parameters, node.args)}
         for kw in node.keywords:
             if kw.arg is None or kw.arg in arguments:  # **kwargs, or a parameter given twice
                 return None
-            arguments[kw.arg] = ast.literal_eval(kw.value)
+            arguments[kw.arg] = _literal(kw.value)
     except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not a literal
         return None
     return ToolCall(tool.name, arguments) if _json_safe(arguments) else None
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's true / false / null as Python's True / False / None: forced calls write their
+    arguments as JSON (`structured_output.grammar_for_calls`), and models often do too."""
+
+    def visit_Name(self, node: ast.Name) -> ast.expr:
+        return ast.Constant(_JSON_NAMES[node.id]) if node.id in _JSON_NAMES else node
+
+
+_JSON_NAMES = {"true": True, "false": False, "null": None}
+
+
+def _literal(node: ast.expr) -> Any:
+    return ast.literal_eval(_JsonNames().visit(node))
 
 
 def _dotted_name(node: ast.expr) -> str | None:
@@ -188,11 +181,10 @@ def render_tool_calls(calls: list[ToolCall]) -> str:
     return written[0] if len(written) == 1 else f"[{', '.join(written)}]"
 
 
-def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...],
-                 forced: bool = False) -> tuple[dict, str | None]:
+def chat_message(text: str, finish: str | None, tools: tuple[Tool, ...]) -> tuple[dict, str | None]:
     """A whole reply as OpenAI's assistant message, and its finish reason: "tool_calls" when
     the reply is calls to the offered tools."""
-    calls = reply_calls(text, tools, forced)
+    calls = reply_calls(text, tools)
     return assistant_message(text, calls), ("tool_calls" if calls else finish)
 
 

@@ -68,3 +68,19 @@ def test_cli_reports_bad_input_clearly():
     out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "x",
                           "--max-new-tokens", "0", "--draft", "none"], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 2 and "max_new_tokens must be > 0" in out.stderr
+
+
+def test_cli_answers_in_a_json_schema_and_refuses_a_bad_one(tmp_path):
+    schema = tmp_path / "colour.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "hex": {
+        "type": "string", "pattern": "^#[0-9a-f]{6}$"}}, "required": ["name", "hex"]}))
+    out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "Name a colour.",
+                          "--max-new-tokens", "48", "--json-schema", f"@{schema}", "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(json.loads(out.stdout)["text"])
+    assert set(reply) == {"name", "hex"} and len(reply["hex"]) == 7
+    out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "x", "--draft", "none",
+                          "--json-schema", '{"type": "colour"}'], capture_output=True, text=True, timeout=300,
+                         check=False)
+    assert out.returncode == 2 and "json_schema is not usable" in out.stderr

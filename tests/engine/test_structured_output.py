@@ -19,7 +19,7 @@ from tests.conftest import make_tiny_checkpoint, read_config
 from tests.engine.conftest import random_draft
 from tests.helpers import chi2_pvalue, forward_all, new_runner, new_seq
 
-CHARS = ' {}[]":,.-_' + string.digits + string.ascii_lowercase + string.ascii_uppercase
+CHARS = ' {}[]()=\'":,.-_' + string.digits + string.ascii_lowercase + string.ascii_uppercase
 CHOICE = {"type": "object", "properties": {"x": {"enum": ["a", "b", "c", "d"]}}, "required": ["x"],
           "additionalProperties": False}
 RECORD = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
@@ -97,7 +97,7 @@ def test_a_constrained_request_leaves_its_batch_neighbours_unchanged(tiny):
 def _params(js: str | None):
     from dlite_ray.engine.sequence import SamplingParams
 
-    return SamplingParams(max_new_tokens=24, json_schema=js)
+    return SamplingParams(max_new_tokens=24, grammar=None if js is None else grammar_for_schema(js))
 
 
 def _masked_choice_distribution(target, tok, temperature: float) -> torch.Tensor:
@@ -140,17 +140,19 @@ def test_bad_schemas_are_refused_and_nothing_else_is_disturbed(tiny, schema, mes
 
 
 def test_a_failed_matcher_ends_its_reply_instead_of_failing_the_step(tiny):
-    grammar = _engine(tiny)._grammar_tokenizer().matcher(json.dumps(CHOICE))
+    grammar = _engine(tiny)._grammar_tokenizer().matcher(grammar_for_schema(json.dumps(CHOICE)))
     grammar.advance([tiny[2].convert_tokens_to_ids("x")])  # not JSON: the matcher enters its error state
     assert grammar.matcher.is_error()
     assert grammar.allowed_rows([7, 8]).nonzero().tolist() == [[0, 2]]  # one row, end-of-sequence only
 
 
-def test_a_schema_must_be_json_text():
+def test_a_grammar_must_be_text_the_matcher_takes(tiny):
     from dlite_ray.engine.sequence import SamplingParams
 
-    with pytest.raises(InvalidRequest, match="JSON text"):
-        SamplingParams(json_schema={"type": "object"})
+    with pytest.raises(InvalidRequest, match="grammar's text"):
+        SamplingParams(grammar={"type": "object"})
+    with pytest.raises(InvalidRequest, match="grammar is not usable"):
+        _engine(tiny).add_request(PROMPTS[0], SamplingParams(grammar="start: (("))
 
 
 @pytest.mark.slow

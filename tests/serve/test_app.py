@@ -164,11 +164,15 @@ def test_completion_logprobs_in_the_legacy_shape(serve_app):
     assert [o for c in chunks for o in c["text_offset"]] == lp["text_offset"]  # offsets run on across chunks
 
 
-def _stream_pieces(body: dict) -> list[str]:
+def _stream_events(body: dict) -> list[dict]:
+    """A chat stream's choices, one per event."""
     r = requests.post(f"{URL}/v1/chat/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
                       timeout=120)
-    return [json.loads(line[6:])["choices"][0]["delta"]["content"] for line in r.iter_lines()
-            if line.startswith(b"data: {")]
+    return [json.loads(line[6:])["choices"][0] for line in r.iter_lines() if line.startswith(b"data: {")]
+
+
+def _stream_pieces(body: dict) -> list[str]:
+    return [choice["delta"]["content"] for choice in _stream_events(body)]
 
 
 def _stop_across_two_chunks(pieces: list[str], text: str) -> str:
@@ -209,7 +213,7 @@ def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
     from dlite_ray.serve.tool_calls import chat_message
 
     tool = {"type": "function", "function": {"name": "run_tests", "parameters": {
-        "type": "object", "properties": {"path": {"type": "string"}}}}}
+        "type": "object", "properties": {"path": {"type": "string", "maxLength": 4}}, "required": ["path"]}}}
     call = {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}
     body = {"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": "call_1", "content": "2 failed"}],
@@ -227,15 +231,20 @@ def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
     if expected["content"] is not None:
         assert "".join(_stream_pieces(body)) == expected["content"]
 
-    # a forced call: the reply is made to begin "run_tests(" (prompt tokens), the model goes on
+    # a forced call: decoded under the grammar of a run_tests call, so even this model makes one
     forced = body | {"tool_choice": "required"}
-    reply = engine.generate(engine.encode(parsed.prompt) + engine.encode("run_tests("), max_new_tokens=24)[0]
-    expected, finish = chat_message("run_tests(" + reply.text, reply.finish_reason, parsed.tools, forced=True)
+    seq = engine.add_request(parsed.prompt, parse_chat(forced, LimitArgs()).params)
+    while engine.has_unfinished():
+        engine.step()
+    reply = engine.result(seq)
+    expected, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
+    assert finish == "tool_calls", reply.text
     got = requests.post(f"{URL}/v1/chat/completions", json=forced, headers=AUTH_A, timeout=120).json()["choices"][0]
-    assert got["finish_reason"] == finish and got["message"]["content"] == expected["content"]
-    if expected["content"] is not None:
-        assert expected["content"].startswith("run_tests(")
-        assert "".join(_stream_pieces(forced)) == expected["content"]
+    assert got["finish_reason"] == finish and got["message"] == expected | {"tool_calls": got["message"]["tool_calls"]}
+    assert [c["function"] for c in got["message"]["tool_calls"]] == [c["function"] for c in expected["tool_calls"]]
+    streamed = _stream_events(forced)
+    assert [c["function"] for c in streamed[-1]["delta"]["tool_calls"]] == [c["function"]
+                                                                         for c in expected["tool_calls"]]
     unknown = {"type": "function", "function": {"name": "deploy"}}
     refused = requests.post(f"{URL}/v1/chat/completions", json=body | {"tool_choice": unknown}, headers=AUTH_A,
                             timeout=30)

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlite_ray.engine.sequence import SamplingParams
-from dlite_ray.engine.structured_output import grammar_for_schema
+from dlite_ray.engine.structured_output import checked
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import ServeError
 from dlite_ray.serve.proto import dlite_pb2
@@ -112,7 +112,7 @@ valid_fields = {
     "top_logprobs": st.integers(min_value=0, max_value=MAX_LOGPROBS),
     "stop": st.none() | st.text(min_size=1, max_size=8) | st.lists(st.text(min_size=1, max_size=8), max_size=4),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "tool_choice": st.sampled_from(["auto", "none"]),
+    "tool_choice": st.sampled_from(["auto", "none", "required"]),
     "parallel_tool_calls": st.booleans(),
     "response_format": good_format,
 }
@@ -148,8 +148,8 @@ def _assert_runnable(params: SamplingParams) -> None:
     assert params.seed is None or INT64_MIN <= params.seed <= INT64_MAX
     assert params.logprobs is None or (type(params.logprobs) is int and 0 <= params.logprobs <= MAX_LOGPROBS)
     assert isinstance(params.stop, tuple) and len(params.stop) <= 4
-    if params.json_schema is not None:
-        grammar_for_schema(params.json_schema)  # what the engine compiles: it must take the schema
+    if params.grammar is not None:
+        checked(params.grammar, "grammar")  # the engine compiles it: it must take it
     for stop in params.stop:
         assert type(stop) is str and stop
         stop.encode("utf-8")

@@ -39,6 +39,8 @@ CALLS = [
     ("get_weather(city={'name': 'Rome', 'tags': [1, 2.5, None, True]})",
      [ToolCall("get_weather", {"city": {"name": "Rome", "tags": [1, 2.5, None, True]}})]),
     ("```\n[ get_weather ('Oslo')]\n```", [ToolCall("get_weather", {"city": "Oslo"})]),
+    ('get_weather(city={"tags": [true, false, null]})',  # JSON's literals: forced calls are written so
+     [ToolCall("get_weather", {"city": {"tags": [True, False, None]}})]),
 ]
 
 
@@ -182,24 +184,49 @@ def test_requests_offer_tools_and_write_back_earlier_calls():
     assert none.tools == () and none.prompt == parsed.prompt[1:]  # not offered, calls still written back
 
 
-def test_a_forced_call_makes_the_reply_begin_with_it():
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER]}
-    assert parse_chat(body, LimitArgs()).reply_prefix == ""
-    assert parse_chat(body | {"tool_choice": "required"}, LimitArgs()).reply_prefix == "get_weather("
-    named = {"type": "function", "function": {"name": "get_weather"}}
-    assert parse_chat(body | {"tool_choice": named}, LimitArgs()).reply_prefix == "get_weather("
-    # the model may go on after the call: a forced reply is read up to the call's end
-    text = "get_weather(city='a) b', unit=\"\\\"\") and then (more"
-    assert chat_message(text, "length", TOOLS)[1] == "length"
-    message, finish = chat_message(text, "length", TOOLS, forced=True)
-    assert finish == "tool_calls" and json.loads(message["tool_calls"][0]["function"]["arguments"]) == {
-        "city": "a) b", "unit": '"'}
-    sent, (rest, _, calls) = _stream(HeldReply(TOOLS, forced=True), ["get_weather(city=", "'Oslo') is", " it"])
-    assert sent == ["", "", ""] and rest == "" and calls == [ToolCall("get_weather", {"city": "Oslo"})]
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}, "short": {"type": "boolean"}}}}}
+
+
+def _takes(grammar: str, text: str) -> bool:
+    """Whether a reply of `text` (in the tiny byte-level tokenizer) matches `grammar` whole."""
+    from dlite_ray.engine.structured_output import GrammarTokenizer
+    from tests.engine.test_structured_output import char_tokenizer
+
+    tok = char_tokenizer()
+    matcher = GrammarTokenizer(tok, 128, (2,)).matcher(grammar).matcher
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return matcher.validate_tokens(ids) == len(ids) and matcher.try_consume_tokens(ids) == len(ids) \
+        and matcher.is_accepting()
+
+
+def test_tool_choice_forces_one_call_by_its_grammar():
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER, TIME]}
+    assert parse_chat(body, LimitArgs()).params.grammar is None
+    required = parse_chat(body | {"tool_choice": "required"}, LimitArgs()).params.grammar
+    named = parse_chat(body | {"tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+                       LimitArgs()).params.grammar
+    for text, by_required, by_named in [
+        ('get_weather(city="Oslo")', True, False),
+        ('get_time(zone="CET", short=true)', True, True),
+        ("get_time()", True, True),
+        ("get_time(short=false)", True, True),  # any optional arguments, in the schema's order
+        ('get_time(short=true, zone="UTC")', False, False),
+        ("get_weather()", False, False),  # city is required
+        ('get_time(zone="PST")', False, False),  # not in the enum
+        ('get_weather(city="Oslo") and more', False, False),  # the reply is the call, nothing else
+        ("It is sunny.", False, False),
+    ]:
+        assert (_takes(required, text), _takes(named, text)) == (by_required, by_named), text
+        if by_required:  # what the grammar lets through comes back as tool_calls
+            assert chat_message(text, "stop", parse_chat(body, LimitArgs()).tools)[1] == "tool_calls"
 
 
 @pytest.mark.parametrize("extra, message", [
-    ({"tool_choice": "required", "tools": [WEATHER, WEATHER]}, "exactly one tool"),
+    ({"tool_choice": "required", "tools": []}, "needs 'tools'"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"max-n": {}}}}}]}, "not a Python name"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "ask for one of them"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "not in 'tools'"),
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"tool_choice": "any"}, "tool_choice"),
@@ -239,16 +266,21 @@ def test_the_default_model_calls_a_tool_after_seeing_its_earlier_calls():
 
 
 def test_the_default_model_makes_a_forced_call():
-    """tool_choice names get_weather: the reply is made to begin "get_weather(" and the model
-    writes the arguments, then goes on talking; the call is read up to its end."""
+    """tool_choice names get_weather, then "required" offers two tools: the reply is decoded
+    under the grammar of one call, so it is a call, with arguments its schema accepts."""
     from dlite_ray.engine.engine import DLiteEngine
 
-    body = {"messages": [{"role": "user", "content": "What's the weather in Paris?"}], "tools": [WEATHER],
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    parsed = parse_chat(body, LimitArgs())
     engine = DLiteEngine.from_pretrained(dtype="bfloat16")
-    reply = engine.generate(engine.encode(parsed.prompt) + engine.encode(parsed.reply_prefix), max_new_tokens=24)[0]
-    message, finish = chat_message(parsed.reply_prefix + reply.text, reply.finish_reason, parsed.tools, forced=True)
-    assert finish == "tool_calls", reply.text
-    (call,) = message["tool_calls"]
-    assert call["function"]["name"] == "get_weather" and "Paris" in json.loads(call["function"]["arguments"]).values()
+    body = {"messages": [{"role": "user", "content": "What's the weather in Paris?"}], "tools": [WEATHER, TIME]}
+    for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+        parsed = parse_chat(body | {"tool_choice": choice, "max_tokens": 24}, LimitArgs())
+        seq = engine.add_request(parsed.prompt, parsed.params)
+        while engine.has_unfinished():
+            engine.step()
+        reply = engine.result(seq)
+        message, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
+        assert finish == "tool_calls", reply.text
+        (call,) = message["tool_calls"]
+        if choice != "required":
+            assert call["function"]["name"] == "get_weather"
+            assert "Paris" in json.loads(call["function"]["arguments"]).values()
