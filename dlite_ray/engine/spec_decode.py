@@ -1,8 +1,9 @@
 """One engine step: the DLite round for every decoding row, prefill chunks alongside
 (REFERENCE.md section 1).
 
-Per step: rows whose last tokens occurred earlier in their context copy what followed
-there (`context_lookup.py`); the others draft K_i tokens in one draft call. Then prefill
+Per step: rows whose grammar forces their next tokens propose those, and rows whose last
+tokens occurred earlier in their context copy what followed there (`context_lookup.py`);
+the others draft K_i tokens in one draft call. Then prefill
 chunks and [anchor, d_1..d_K_i] verify rows run in one ragged target forward; each row
 accepts A_i, commits A_i + 1 tokens, crops its KV to n_i + A_i + 1, and takes its next
 pivot features from the verify pass at index A_i. Rows with K_i = 0 decode plainly.
@@ -92,7 +93,7 @@ class SpecDecoder:
         """What each decode row verifies this step: a copy from its context, a draft, or
         nothing (plain decoding), as the policy allocates."""
         caps = [self._max_draft(s) for s in decodes]
-        copies = [self.lookup.propose(s, self._room(s)) for s in decodes]
+        copies = [self._copy(s) for s in decodes]
         ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c in copies])
         copies = [c[:k] for c, k in zip(copies, ks)]  # what the cost model kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
@@ -136,6 +137,12 @@ class SpecDecoder:
             st.decode_wall_time = now - st.first_token_time
             st.last_token_time = now
         return emitted
+
+    def _copy(self, seq: Sequence) -> list[int]:
+        """Tokens to verify without drafting: what the request's grammar forces next, else
+        what followed its last tokens earlier in its context (both only where copying is on)."""
+        forced = seq.grammar.forced_tokens(min(self._room(seq), self.lookup.max_tokens)) if seq.grammar else []
+        return forced or self.lookup.propose(seq, self._room(seq))
 
     def _room(self, seq: Sequence) -> int:
         """The most tokens a round can verify after the anchor: within the output budget and the context."""

@@ -121,20 +121,32 @@ class OutputGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: tuple[int, ...]):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, vocab_size)
 
     def allowed_rows(self, proposed: list[int]) -> torch.Tensor:
         """[m, V] bool for verify rows 0..m-1: what may follow the reply plus proposed[:row].
         m stops after the first proposed token the grammar refuses (later rows are never read)."""
-        rows = [self._allowed_now()]
-        consumed = 0
+        bitmask = llguidance.torch.allocate_token_bitmask(len(proposed) + 1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        rows = 1
         for tok in proposed:
             if not self.matcher.try_consume_tokens([tok]):
                 break
-            consumed += 1
-            rows.append(self._allowed_now())
-        self.matcher.rollback(consumed)
-        return torch.stack(rows)
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, rows)
+            rows += 1
+        self.matcher.rollback(rows - 1)
+        allowed = unpack_bitmask(bitmask[:rows], self.vocab_size)
+        for row in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+            # the matcher failed (a parser resource limit): end this reply, not the batch's step
+            log.warning("the grammar allows no token (%s): the reply ends", self.matcher.get_error())
+            allowed[row, list(self.eos_ids)] = True
+        return allowed
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (a JSON key, the call's name): a
+        proposal for the round that the target nearly always accepts."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        return self.matcher.compute_ff_tokens()[:limit]
 
     def advance(self, tokens: list[int]) -> None:
         """Follow committed tokens (each was drawn from a masked row, so the grammar takes it)."""
@@ -145,18 +157,10 @@ class OutputGrammar:
                 log.warning("a committed token left the grammar: %s", self.matcher.get_error())
                 return
 
-    def _allowed_now(self) -> torch.Tensor:
-        llguidance.torch.fill_next_token_bitmask(self.matcher, self._bitmask)
-        allowed = unpack_bitmask(self._bitmask[0], self.vocab_size)
-        if not allowed.any():  # the matcher failed (a parser resource limit): end this reply, not the batch
-            log.warning("the grammar allows no token (%s): the reply ends", self.matcher.get_error())
-            allowed[list(self.eos_ids)] = True
-        return allowed
-
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """llguidance's packed mask (int32 words, bit j of word w = token 32w + j) -> [V] bool."""
-    return ((words[:, None] >> _BITS) & 1).bool().flatten()[:vocab_size]
+    """llguidance's packed masks ([..., W] int32, bit j of word w = token 32w + j) -> [..., V] bool."""
+    return ((words[..., None] >> _BITS) & 1).bool().flatten(-2)[..., :vocab_size]
 
 
 def mask_rows(logits: torch.Tensor, allowed: torch.Tensor) -> None:

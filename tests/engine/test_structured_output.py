@@ -47,10 +47,11 @@ def tiny(tmp_path_factory):
     return target, random_draft(target, read_config(d), seed=5), char_tokenizer()
 
 
-def _engine(tiny, draft=None) -> DLiteEngine:
+def _engine(tiny, draft=None, lookup_tokens: int = 0) -> DLiteEngine:
+    """No copying unless asked: with it, rows propose what their grammar forces."""
     target, _, tok = tiny
     transport = draft if draft is None or hasattr(draft, "info") else InProcessDraftTransport(draft, "test")
-    return DLiteEngine(target, tok, transport, adaptive_draft_length=False, lookup_tokens=0)
+    return DLiteEngine(target, tok, transport, adaptive_draft_length=False, lookup_tokens=lookup_tokens)
 
 
 def _text(tok, ids: list[int]) -> str:
@@ -81,6 +82,17 @@ def test_greedy_speculation_under_a_schema_equals_plain_decoding_under_it(tiny, 
             assert reply["x"] in "abcd"
         else:
             assert len(reply["name"]) <= 5 and 0 <= reply["n"] <= 99
+
+
+def test_what_the_grammar_forces_is_proposed_and_accepted(tiny):
+    draft = tiny[1]
+    js = json.dumps(RECORD)
+    plain = _engine(tiny).generate(PROMPTS, max_new_tokens=40, json_schema=js)
+    out = _engine(tiny, draft, lookup_tokens=15).generate(PROMPTS, max_new_tokens=40, json_schema=js)
+    assert [r.token_ids for r in out] == [r.token_ids for r in plain]
+    for r in out:  # '{"name": "' opens every reply: one round proposes it and keeps it whole
+        first = r.stats["accept_lengths"][0]
+        assert r.stats["copied_rounds"][0] and first == len('{"name": "') + 1
 
 
 def test_a_constrained_request_leaves_its_batch_neighbours_unchanged(tiny):
