@@ -36,7 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks, distribution tests)
     trace_top_k: int = 0  # > 0: keep a Trace of each output position (tap features, top-k distribution)
     logprobs: int | None = None  # n >= 0: each output token's logprob and the n most likely tokens'
-    grammar: str | None = None  # what the output must match: structured_output.grammar_for_schema / _for_calls
+    grammar: str | None = None  # what the output must match: structured_output.grammar_for_schema / grammar_for_calls
 
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:

@@ -19,6 +19,7 @@ a reply with blanks until its token budget runs out.
 from __future__ import annotations
 
 import json
+import keyword
 import logging
 
 import llguidance
@@ -44,7 +45,7 @@ def grammar_for_schema(schema: str) -> str:
     if not isinstance(parsed, dict):
         raise InvalidRequest("json_schema must be a JSON object (a schema)")
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(parsed, defaults=_JSON_OPTIONS)
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(parsed, overrides=_JSON_OPTIONS)
     except ValueError as exc:
         raise InvalidRequest(f"json_schema is not usable: {exc}") from None
     return checked(grammar, "json_schema")
@@ -62,19 +63,30 @@ def grammar_for_calls(functions: list[dict]) -> str:
 
 
 def _call_rules(i: int, name: str, parameters: dict) -> list[str]:
+    if not all(_is_python_name(part) for part in name.split(".")):
+        raise InvalidRequest(f"tool {name!r} is not a Python name (dotted or not), so no call to it can be forced")
     properties = parameters.get("properties") or {}
-    required = set(parameters.get("required") or [])
+    required = parameters.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(r, str) and r in properties for r in required):
+        raise InvalidRequest(f"tool {name!r}: 'required' must list names of its parameters' properties")
+    # each argument's schema compiles alone, so it carries the definitions its $refs point to
+    definitions = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
     rules, args = [], {}
     for j, (arg, schema) in enumerate(properties.items()):
-        if not arg.isidentifier():
+        if not _is_python_name(arg):
             raise InvalidRequest(f"tool {name!r}: argument {arg!r} is not a Python name, so no call can be forced")
         if not isinstance(schema, dict):
             raise InvalidRequest(f"tool {name!r}: the schema of argument {arg!r} must be an object")
-        rules.append(f"value_{i}_{j}: %json {json.dumps(schema | {'x-guidance': _JSON_OPTIONS})}")
+        rules.append(f"value_{i}_{j}: %json {json.dumps(definitions | schema | {'x-guidance': _JSON_OPTIONS})}")
         args[arg] = f"{_lark_string(arg + '=')} value_{i}_{j}"
-    listed = _argument_list([a for p, a in args.items() if p in required], [a for p, a in args.items()
-                                                                           if p not in required])
+    listed = _argument_list([args[p] for p in properties if p in required],
+                            [args[p] for p in properties if p not in required])
     return [f"call_{i}: {_lark_string(name + '(')} {listed} \")\"", *rules]
+
+
+def _is_python_name(text: str) -> bool:
+    """What a call can be written with: an identifier that is not a keyword (`from=` does not parse)."""
+    return text.isidentifier() and not keyword.iskeyword(text)
 
 
 def _argument_list(required: list[str], optional: list[str]) -> str:
@@ -124,21 +136,33 @@ class OutputGrammar:
 
     def allowed_rows(self, proposed: list[int]) -> torch.Tensor:
         """[m, V] bool for verify rows 0..m-1: what may follow the reply plus proposed[:row].
-        m stops after the first proposed token the grammar refuses (later rows are never read)."""
+        m stops after the first proposed token the grammar refuses (later rows are never read);
+        once the grammar has stopped (complete, or failed), it takes no more tokens, so every
+        later row is masked as the last one, as plain decoding would mask it."""
         bitmask = llguidance.torch.allocate_token_bitmask(len(proposed) + 1, self.vocab_size)
+        before = self.matcher.deep_copy()  # a try that fails leaves the matcher failed for good
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
-        rows = 1
+        filled = 0
         for tok in proposed:
-            if not self.matcher.try_consume_tokens([tok]):
+            if self.matcher.is_stopped():
                 break
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, rows)
-            rows += 1
-        self.matcher.rollback(rows - 1)
+            if not self.matcher.try_consume_tokens([tok]) and not self.matcher.is_error():
+                break  # refused: verification rejects it
+            filled += 1  # taken, or failed on it (a parser limit): the next row reads that state
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, filled)
+        rows = filled + 1
+        if self.matcher.is_stopped():
+            bitmask[rows:] = bitmask[filled]
+            rows = len(proposed) + 1
+        if self.matcher.is_error():
+            if not before.is_error():
+                log.warning("the grammar failed (%s): the reply ends", self.matcher.get_error())
+            self.matcher = before  # advance() meets the failure again if the token is kept
+        else:
+            self.matcher.rollback(filled)
         allowed = unpack_bitmask(bitmask[:rows], self.vocab_size)
         for row in (~allowed.any(dim=1)).nonzero().flatten().tolist():
-            # the matcher failed (a parser resource limit): end this reply, not the batch's step
-            log.warning("the grammar allows no token (%s): the reply ends", self.matcher.get_error())
-            allowed[row, list(self.eos_ids)] = True
+            allowed[row, list(self.eos_ids)] = True  # never seen (llguidance allows EOS when it stops); guards the batch
         return allowed
 
     def forced_tokens(self, limit: int) -> list[int]:

@@ -409,6 +409,8 @@ def _grpc_response_format(schema: str) -> dict:
         parsed = json.loads(schema)
     except (json.JSONDecodeError, RecursionError) as exc:
         raise BadRequest(f"json_schema is not JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise BadRequest("json_schema must be a JSON object (a schema)")
     return {"type": "json_schema", "json_schema": {"name": "grpc", "schema": parsed}}
 
 

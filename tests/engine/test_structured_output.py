@@ -151,11 +151,67 @@ def test_bad_schemas_are_refused_and_nothing_else_is_disturbed(tiny, schema, mes
     assert len(engine.generate(PROMPTS[0], max_new_tokens=4)[0].token_ids) == 4
 
 
+def test_a_schema_cannot_loosen_the_fixed_separators(tiny):
+    """A schema's own x-guidance options would let whitespace back in; ours override them."""
+    loose = CHOICE | {"x-guidance": {"whitespace_flexible": True, "item_separator": ",  "}}
+    grammar = _engine(tiny)._grammar_tokenizer().matcher(grammar_for_schema(json.dumps(loose)))
+    tok = tiny[2]
+    for text, takes in [('{"x": "a"}', True), ('{"x":  "a"}', False), ('{ "x": "a"}', False)]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert (grammar.matcher.validate_tokens(ids) == len(ids)) == takes, text
+
+
 def test_a_failed_matcher_ends_its_reply_instead_of_failing_the_step(tiny):
     grammar = _engine(tiny)._grammar_tokenizer().matcher(grammar_for_schema(json.dumps(CHOICE)))
     grammar.advance([tiny[2].convert_tokens_to_ids("x")])  # not JSON: the matcher enters its error state
     assert grammar.matcher.is_error()
-    assert grammar.allowed_rows([7, 8]).nonzero().tolist() == [[0, 2]]  # one row, end-of-sequence only
+    assert grammar.allowed_rows([7, 8]).nonzero().tolist() == [[0, 2], [1, 2], [2, 2]]  # end-of-sequence only
+
+
+def test_a_try_that_fails_the_matcher_leaves_it_as_it_was(tiny):
+    """A drafted token that puts the parser in its error state fails the rows after it (as
+    plain decoding would fail after it), but the matcher that follows the reply is untouched."""
+    tok = tiny[2]
+    grammar = _engine(tiny)._grammar_tokenizer().matcher(grammar_for_schema(json.dumps(CHOICE)))
+    prefix = tok('{"x": "', add_special_tokens=False)["input_ids"]
+    grammar.advance(prefix)
+    failing = grammar.matcher.deep_copy()
+    failing.consume_token(tok.convert_tokens_to_ids("z"))  # refused: an error, as a parser limit would be
+    grammar.matcher = _FailsOn(grammar.matcher, tok.convert_tokens_to_ids("b"), failing)
+    rows = grammar.allowed_rows([tok.convert_tokens_to_ids(c) for c in 'b"}'])
+    assert rows[0].nonzero().flatten().tolist() == [tok.convert_tokens_to_ids(c) for c in "abcd"]
+    assert [r.nonzero().flatten().tolist() for r in rows[1:]] == [[2]] * 3
+    assert not grammar.matcher.is_error()
+    grammar.advance([tok.convert_tokens_to_ids("a")])
+    assert grammar.allowed_rows([])[0].nonzero().flatten().tolist() == [tok.convert_tokens_to_ids('"')]
+
+
+class _FailsOn:
+    """A matcher whose try of one token fails it (becomes `failed`), as a parser limit would."""
+
+    def __init__(self, matcher, token: int, failed):
+        self._matcher, self._token, self._failed = matcher, token, failed
+
+    def try_consume_tokens(self, tokens: list[int]) -> int:
+        if tokens == [self._token]:
+            self._matcher = self._failed
+            return 0
+        return self._matcher.try_consume_tokens(tokens)
+
+    def __getattr__(self, name):
+        return getattr(self._matcher, name)
+
+
+def test_a_complete_reply_stays_under_its_grammar_when_decoding_goes_on(tiny):
+    """With ignore_eos a reply goes on past its end: the grammar, complete, then allows only
+    end-of-sequence, in every verify row after a drafted one as in plain decoding."""
+    js = json.dumps(CHOICE)
+    plain = [r.token_ids for r in _engine(tiny).generate(PROMPTS, max_new_tokens=24, json_schema=js,
+                                                          ignore_eos=True)]
+    oracle = OracleDraftTransport([p + r for p, r in zip(PROMPTS, plain)], wrong_rate=0.0, vocab_size=128)
+    out = _engine(tiny, oracle).generate(PROMPTS, max_new_tokens=24, json_schema=js, ignore_eos=True)
+    assert [r.token_ids for r in out] == plain
+    assert all(2 in ids[:12] for ids in plain)  # each reply ended early and went on
 
 
 def test_a_grammar_must_be_text_the_matcher_takes(tiny):

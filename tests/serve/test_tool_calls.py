@@ -222,10 +222,32 @@ def test_tool_choice_forces_one_call_by_its_grammar():
             assert chat_message(text, "stop", parse_chat(body, LimitArgs()).tools)[1] == "tool_calls"
 
 
+def _tool(name: str, properties: dict, required: object = ()) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": properties, "required": required}}}
+
+
+def test_a_forced_call_honours_its_tools_definitions():
+    """Pydantic-made tools point their arguments at `$defs`; each argument's grammar carries them."""
+    tool = _tool("book", {"guest": {"$ref": "#/$defs/Guest"}}, ["guest"])
+    tool["function"]["parameters"]["$defs"] = {"Guest": {
+        "type": "object", "properties": {"age": {"type": "integer"}}, "required": ["age"],
+        "additionalProperties": False}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "required"}
+    grammar = parse_chat(body, LimitArgs()).params.grammar
+    assert _takes(grammar, 'book(guest={"age": 7})')
+    assert not _takes(grammar, 'book(guest={"age": "7"})')
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"tool_choice": "required", "tools": []}, "needs 'tools'"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "properties": {"max-n": {}}}}}]}, "not a Python name"),
+    ({"tool_choice": "required", "tools": [_tool("f", {"from": {}})]}, "not a Python name"),  # f(from=1)
+    ({"tool_choice": "required", "tools": [_tool("get-weather", {})]}, "not a Python name"),
+    ({"tool_choice": "required", "tools": [_tool("f", {"a": {}}, [5])]}, "'required' must list"),
+    ({"tool_choice": "required", "tools": [_tool("f", {"a": {}}, ["b"])]}, "'required' must list"),
+    ({"tool_choice": "required", "tools": [_tool("f", {"a": {}}, "a")]}, "'required' must list"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "ask for one of them"),
     ({"tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "not in 'tools'"),
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
