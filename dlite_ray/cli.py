@@ -1,5 +1,5 @@
 """dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, bench-serve, bench-followup, loadtest,
-train, draft-vocab)."""
+train, draft-vocab, gpu-check)."""
 
 from __future__ import annotations
 
@@ -100,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     add_train_args(tr)
     dv = sub.add_parser("draft-vocab", help="limit a draft to the tokens its training data says most often")
     add_draft_vocab_args(dv)
+
+    gc = sub.add_parser("gpu-check", help="prove the GPU path on a device (random Qwen3-8B-shaped target, no Ray)")
+    gc.add_argument("--out", default="gpu-check.json", help="the JSON report (rewritten after every section)")
+    gc.add_argument("--small", action="store_true", help="tiny shapes (runs on a CPU in seconds)")
+    gc.add_argument("--device", default=None, help="default: cuda when there is one, else cpu (with --small only)")
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command != "generate" else logging.WARNING,
@@ -221,9 +226,27 @@ def cmd_draft_vocab(args) -> int:
     return 0
 
 
+def cmd_gpu_check(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from dlite_ray.gpu_check.run import run_checks
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not args.small:
+        print("gpu-check: no CUDA device; the full check needs one (--small runs the tiny shapes on a CPU)",
+              file=sys.stderr)
+        return 2
+    report = run_checks(Path(args.out), args.small, device)
+    print(json.dumps(report["exact"], indent=2))
+    print(f"all_equal: {report['all_equal']}  ({report['elapsed_s']} s, report in {args.out})")
+    return 0 if report["all_equal"] else 1
+
+
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup, "loadtest": cmd_loadtest,
-            "train": cmd_train, "draft-vocab": cmd_draft_vocab}
+            "train": cmd_train, "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -38,7 +38,7 @@ class ModelRunner:
         self.tap_layers = tap_layers
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.backend = make_backend(attention_backend, self.device)
+        self.backend = make_backend(attention_backend, self.device, self.dtype)
         if self.backend.name == "flash_attn" and block_size % FLASH_ATTN_PAGE_MULTIPLE:
             block_size = FLASH_ATTN_PAGE_MULTIPLE
         num_blocks = -(-max_kv_tokens // block_size)

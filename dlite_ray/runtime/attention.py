@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.kv_cache import PagedKVCache
+from dlite_ray.runtime.window_batch import WindowPlan, attend_windows, plan_windows
 
 FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs blocks of a multiple of 256
 
@@ -50,6 +51,8 @@ class AttentionMetadata:
     spans: list[SequenceSpan]
     block_tables: list[list[int]]
     block_size: int
+    window_plan: WindowPlan | None = None  # accelerators' decode/verify calls (window_batch.py), built once
+    flash_plan: FlashPlan | None = None  # flash-attn's tensors for the step, built once
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +127,8 @@ class SdpaBackend:
     of our own does it by construction (`fused_ops.decode_attention`: in bf16 2-4x faster
     than the flash kernel for one new token, 1.4-2x for eight; in float32 ~2x for one, about
     even for eight); elsewhere the flash kernel, called position-exactly (`_attend_positioned`).
+    On an accelerator, every decode / verify call of a step goes in batched calls of the
+    same position-exact shapes, in the cache's dtype (`window_batch.py`).
 
     Prefill chunks over consecutive blocks read one strided view. A fragmented context
     (prefix-cache hits, preemption, blocks reused after eviction) is gathered once per
@@ -136,18 +141,26 @@ class SdpaBackend:
     name = "sdpa"
     block_major = False
 
+    def __init__(self, batched_windows: bool | None = None):
+        """batched_windows: decode/verify rows through `window_batch` (one batched call per
+        key count, in the cache's dtype). None: on accelerators, not on CPU, whose own
+        kernels below are faster there; tests set it to run the accelerator path on CPU."""
+        self.batched_windows = batched_windows
+
     def attend(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh] -> [T, Hq, Dh]
         cache.write(layer, meta.slot_mapping, k, v)
         k_all, v_all = cache.k_layers[layer], cache.v_layers[layer]  # [Hkv, slots, Dh]
-        hkv, dh = k_all.shape[0], k_all.shape[2]
-        group = q.shape[1] // hkv
+        batched = self.batched_windows if self.batched_windows is not None else q.device.type != "cpu"
+        if batched:
+            return _attend_accelerator(meta, q, k_all, v_all)
+        group = q.shape[1] // k_all.shape[0]
         outs = []
         for span in meta.spans:
             n = span.q_len
             rows = q if len(meta.spans) == 1 else q[span.q_start:span.q_start + n]
-            if n <= MAX_POSITIONED_TOKENS and group <= MAX_POSITIONED_ROWS:
+            if _positioned(span, group):
                 if fused_ops.attends_decode_rows(rows):
                     first = span.ctx_len - n
                     outs.append(fused_ops.decode_attention(rows, k_all, v_all, _context_slots(span, q.device), first))
@@ -159,14 +172,44 @@ class SdpaBackend:
             else:
                 slots = _context_slots(span, q.device)
                 k_ctx, v_ctx = k_all.index_select(1, slots), v_all.index_select(1, slots)
-            if q.device.type == "cpu":
-                outs.append(_attend_prefill_cpu(rows, k_ctx, v_ctx))
-                continue
-            qs = rows.view(n, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, group * n, dh)  # rows: (group, position)
-            out = F.scaled_dot_product_attention(qs[None], k_ctx[None], v_ctx[None],
-                                                 attn_mask=_folded_mask(span, group, q.dtype, q.device))[0]
-            outs.append(out.view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, hkv * group, dh))
+            outs.append(_attend_prefill_cpu(rows, k_ctx, v_ctx))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _positioned(span: SequenceSpan, group: int) -> bool:
+    """Whether a span's rows go the position-exact way (decode and verify steps)."""
+    return span.q_len <= MAX_POSITIONED_TOKENS and group <= MAX_POSITIONED_ROWS
+
+
+def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.Tensor,
+                        v_all: torch.Tensor) -> torch.Tensor:
+    """Decode and verify rows of every sequence in batched position-exact calls
+    (window_batch.py); prefill chunks one by one, causally masked over GQA-folded rows."""
+    hkv, dh = k_all.shape[0], k_all.shape[2]
+    group = q.shape[1] // hkv
+    positioned = [s for s in meta.spans if _positioned(s, group)]
+    if positioned and meta.window_plan is None:
+        meta.window_plan = plan_windows(positioned, q.shape[1], hkv, WINDOW, MAX_POSITIONED_ROWS, q.dtype, q.device)
+    if len(positioned) == len(meta.spans):  # a decode / verify step: the plan covers every token, in order
+        return attend_windows(meta.window_plan, q, k_all, v_all)
+    out = torch.empty_like(q)
+    if positioned:
+        out[meta.window_plan.tokens] = attend_windows(meta.window_plan, q, k_all, v_all)
+    for span in meta.spans:
+        if _positioned(span, group):
+            continue
+        n = span.q_len
+        if len(span.kv_runs) == 1:
+            k_ctx, v_ctx = k_all[:, span.kv_runs[0]], v_all[:, span.kv_runs[0]]
+        else:
+            slots = _context_slots(span, q.device)
+            k_ctx, v_ctx = k_all.index_select(1, slots), v_all.index_select(1, slots)
+        rows = q[span.q_start:span.q_start + n]
+        qs = rows.view(n, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, group * n, dh)  # rows: (group, position)
+        attended = F.scaled_dot_product_attention(qs[None], k_ctx[None], v_ctx[None],
+                                                  attn_mask=_folded_mask(span, group, q.dtype, q.device))[0]
+        out[span.q_start:span.q_start + n] = attended.view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, -1, dh)
+    return out
 
 
 def _attend_prefill_cpu(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor) -> torch.Tensor:
@@ -378,12 +421,10 @@ def _worth_splitting(num_heads: int, num_keys: int) -> bool:
 
 
 def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
-    """q [H, R, Dh] over k, v [H, L, Dh] with an additive mask [R, L] -> [H, R, Dh]."""
-    if q.device.type == "cpu":  # the fused kernel reads strided views
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[None], k[None], v[None], attn_mask=additive_mask)[0][0]
-    scores = (q.float() @ k.float().transpose(1, 2)) * q.shape[-1] ** -0.5 + additive_mask.float()
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    """q [H, R, Dh] over k, v [H, L, Dh] with an additive mask [R, L] -> [H, R, Dh], by the
+    CPU's fused kernel (it reads strided views)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], attn_mask=additive_mask)[0][0]
 
 
 def _attend_key_halves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
@@ -402,50 +443,101 @@ def _attend_key_halves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additi
     return (out.float() * weights).sum(dim=0).to(q.dtype)
 
 
+@dataclass(slots=True)
+class FlashPlan:
+    """flash-attn's inputs for one forward, built by its first layer as int32 tensors."""
+
+    row_tokens: torch.Tensor | None  # [P] the decode/verify tokens, each its own batch entry
+    row_seqlens: torch.Tensor | None  # [P] keys each row sees: its position + 1
+    row_tables: torch.Tensor | None  # [P, W] its sequence's block table, zero-padded
+    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # prefill: (q_start, q_len, seqlens [1], table [1, W])
+
+
+def plan_flash(meta: AttentionMetadata, device: torch.device) -> FlashPlan:
+    """Decode / verify tokens (spans of up to MAX_POSITIONED_TOKENS) one row each, prefill
+    chunks one call each; block tables and lengths as int32 tensors, once per forward."""
+    tokens, seqlens, tables, chunks = [], [], [], []
+    width = max(len(t) for t in meta.block_tables)
+    for span, table in zip(meta.spans, meta.block_tables, strict=True):
+        padded = table + [0] * (width - len(table))
+        first = span.ctx_len - span.q_len
+        if span.q_len <= MAX_POSITIONED_TOKENS:
+            tokens += range(span.q_start, span.q_start + span.q_len)
+            seqlens += range(first + 1, span.ctx_len + 1)
+            tables += [padded] * span.q_len
+        else:
+            chunks.append((span.q_start, span.q_len, torch.tensor([span.ctx_len], dtype=torch.int32, device=device),
+                           torch.tensor([table], dtype=torch.int32, device=device)))
+    if not tokens:
+        return FlashPlan(None, None, None, chunks)
+    return FlashPlan(torch.tensor(tokens, dtype=torch.long, device=device),
+                     torch.tensor(seqlens, dtype=torch.int32, device=device),
+                     torch.tensor(tables, dtype=torch.int32, device=device), chunks)
+
+
 class FlashAttnBackend:
-    """Paged attention through flash-attn's kvcache kernel (CUDA only)."""
+    """Paged attention through flash-attn's `flash_attn_with_kvcache` (CUDA, fp16 / bf16).
+
+    Position-exact by construction: every decode and verify row is its own batch entry of
+    one query (seqlen_q = 1) over the keys up to its position, with the key split fixed
+    (num_splits = 1), so a row runs the same kernel with the same reduction whether it is
+    decoded alone, verified in a block or batched with any number of others. The price:
+    a verify block of K + 1 rows reads its keys K + 1 times (from L2 mostly). Prefill
+    chunks go as one causal call each.
+    """
 
     name = "flash_attn"
     block_major = True
 
-    def __init__(self) -> None:
-        from flash_attn import flash_attn_with_kvcache  # optional dependency
-
-        self._kernel = flash_attn_with_kvcache
+    def __init__(self, kernel=None) -> None:
+        """kernel: `flash_attn_with_kvcache` or a function with its semantics (tests)."""
+        if kernel is None:
+            from flash_attn import flash_attn_with_kvcache as kernel  # optional dependency
+        self._kernel = kernel
 
     def attend(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata,
                q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; cache layers: [blocks, block_size, Hkv, Dh]
         cache.write(layer, meta.slot_mapping, k, v)
-        # Rows with the same q_len go in one kernel call: [B, q_len, H, Dh].
-        by_len: dict[int, list[int]] = {}
-        for i, span in enumerate(meta.spans):
-            by_len.setdefault(span.q_len, []).append(i)
-        result = torch.empty_like(q)
-        for q_len, rows in by_len.items():
-            spans = [meta.spans[i] for i in rows]
-            qb = torch.stack([q[s.q_start:s.q_start + q_len] for s in spans])
-            width = max(len(meta.block_tables[i]) for i in rows)
-            table = torch.zeros(len(rows), width, dtype=torch.int32, device=q.device)
-            for r, i in enumerate(rows):
-                table[r, :len(meta.block_tables[i])] = torch.tensor(meta.block_tables[i], dtype=torch.int32)
-            lens = torch.tensor([s.ctx_len for s in spans], dtype=torch.int32, device=q.device)
-            out = self._kernel(qb, cache.k_layers[layer], cache.v_layers[layer], cache_seqlens=lens, block_table=table, causal=True)
-            for r, s in enumerate(spans):
-                result[s.q_start:s.q_start + q_len] = out[r]
-        return result
+        k_cache, v_cache = cache.k_layers[layer], cache.v_layers[layer]
+        if meta.flash_plan is None:
+            meta.flash_plan = plan_flash(meta, q.device)
+        plan = meta.flash_plan
+        out = None
+        if plan.row_tokens is not None:
+            rows = q.index_select(0, plan.row_tokens)[:, None]  # [P, 1, Hq, Dh]
+            attended = self._kernel(rows, k_cache, v_cache, cache_seqlens=plan.row_seqlens,
+                                    block_table=plan.row_tables, causal=True, num_splits=1)[:, 0]
+            if not plan.chunks:  # a decode / verify step: every token, in order
+                return attended
+            out = torch.empty_like(q)
+            out[plan.row_tokens] = attended
+        out = torch.empty_like(q) if out is None else out
+        for start, n, seqlens, table in plan.chunks:
+            out[start:start + n] = self._kernel(q[None, start:start + n], k_cache, v_cache, cache_seqlens=seqlens,
+                                                block_table=table, causal=True)[0]
+        return out
 
 
 def flash_attn_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 
 
-def make_backend(name: str, device: torch.device) -> SdpaBackend | FlashAttnBackend:
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> SdpaBackend | FlashAttnBackend:
+    """`auto`: flash-attn on CUDA in fp16 / bf16 when it is installed, else SDPA."""
     if name == "auto":
-        name = "flash_attn" if device.type == "cuda" and flash_attn_available() else "sdpa"
+        flash = device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available()
+        name = "flash_attn" if flash else "sdpa"
     if name == "sdpa":
         return SdpaBackend()
     if name == "flash_attn":
         if device.type != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package (extra 'gpu')")
+        if dtype not in FLASH_ATTN_DTYPES:
+            raise ValueError(f"attention_backend='flash_attn' runs in float16 or bfloat16, not {dtype}; "
+                             "use attention_backend='sdpa' (or 'auto') for this dtype")
         return FlashAttnBackend()
     raise ValueError(f"unknown attention_backend {name!r}; choose auto, sdpa or flash_attn")

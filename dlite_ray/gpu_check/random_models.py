@@ -1,0 +1,75 @@
+"""Random-weight targets and drafts of real shapes, built on the device without a download.
+
+The GPU check needs a target the size of what users run (Qwen3-8B) and a draft of the
+paper's depth, but the device machine cannot reach a model hub: weights are drawn on the
+device itself. Exactness and step times depend on the shapes and the dtype, not on what
+the weights say.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.draft_config import DraftConfig
+from dlite_ray.runtime.draft_model import DLiteDraftModel
+from dlite_ray.runtime.target_model import TargetModel
+
+# Qwen3-8B's config.json, the fields our runtime reads.
+QWEN3_8B: dict[str, Any] = {
+    "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 12288,
+    "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+    "tie_word_embeddings": False, "attention_bias": False,
+}
+# The same architecture, small enough for a CPU test run (`--small`).
+QWEN3_SMALL: dict[str, Any] = dict(
+    QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
+
+# The paper's draft for an 8B target: 5 layers, 7 target layers read, head rank 512.
+DRAFT_8B = {"num_layers": 5, "num_slots": 7, "rank": 512}
+DRAFT_SMALL = {"num_layers": 2, "num_slots": 3, "rank": 16}
+
+WEIGHT_STD = 0.02  # the usual init scale: activations stay finite through 36 layers
+
+
+def _fill_random(module: torch.nn.Module, seed: int, skip: tuple[torch.Tensor, ...] = ()) -> None:
+    """Matrices ~ N(0, WEIGHT_STD^2); norms stay ones, as a fresh model has them."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.dim() >= 2 and not any(p is s for s in skip):
+                p.normal_(0.0, WEIGHT_STD, generator=gen)
+
+
+def _built_on(device: torch.device, dtype: torch.dtype, build):
+    """Construct straight on the device in the dtype (no float32 copy of 8B weights on the host)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return build()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def random_target(hf: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = 0) -> TargetModel:
+    model = _built_on(device, dtype, lambda: TargetModel(ModelConfig.from_hf(hf)))
+    _fill_random(model, seed)
+    model.eval()
+    model.freeze()
+    return model
+
+
+def random_draft(target: TargetModel, hf: dict[str, Any], num_layers: int, num_slots: int, rank: int,
+                 seed: int = 1) -> DLiteDraftModel:
+    cfg = DraftConfig.for_target(hf, num_layers, num_slots, rank, mask_token_id=0)
+    param = next(target.parameters())
+    draft = _built_on(param.device, param.dtype, lambda: DLiteDraftModel(cfg, target.embed_tokens))
+    _fill_random(draft, seed, skip=(target.embed_tokens.weight,))  # the target's, shared
+    draft.eval()
+    draft.freeze()
+    return draft
