@@ -1,42 +1,390 @@
-"""cluster/: the Ray launcher YAML against Ray's own schema; the RayService's embedded
-Serve config against Serve's schema and our args model."""
+"""cluster/: the files that put deployments/qwen3-8b-h800.yaml on H800 nodes, checked without
+a network or a cluster.
+
+- the launcher YAML through Ray's own launcher preparation and schema (ray-schema.json);
+- the RayService against cluster/schema/rayservice-v1.schema.json (hand-written, closed
+  objects) and, given KUBERAY_CRD=<ray.io_rayservices.yaml>, against KubeRay's CRD itself;
+- the embedded Serve config against Serve's schema, our AppArgs, and the deployment file;
+- that a TargetWorker pair's placement group fits a worker node as Ray's autoscaler sees it;
+- volumes, ports and the image in every place they must agree;
+- cluster/fetch_models.py with a stand-in for the Hub;
+- cluster/Dockerfile's versions against pyproject.toml and the installed Ray.
+"""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
 import json
+import math
+import os
+import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "cluster"
+HTTP_PORT, GRPC_PORT = 8000, 9000
 
 
-def test_cluster_launcher_yaml_validates_against_ray_schema():
-    import jsonschema
-    import ray.autoscaler
+def load(name: str) -> dict:
+    return yaml.safe_load((CLUSTER / name).read_text())
 
-    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
-    config = yaml.safe_load((ROOT / "cluster" / "h800-cluster.yaml").read_text())
-    jsonschema.validate(config, schema)
+
+def rayservice() -> dict:
+    return load("rayservice-h800.yaml")
+
+
+def serve_config() -> dict:
+    return yaml.safe_load((ROOT / "deployments" / "qwen3-8b-h800.yaml").read_text())
+
+
+def head_pod() -> dict:
+    return rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+
+
+def worker_group() -> dict:
+    (group,) = rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    return group
+
+
+def containers(pod: dict) -> list[dict]:
+    return pod["containers"] + pod.get("initContainers", [])
+
+
+def quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", quantity)
+    assert match, quantity
+    return int(match[1]) * units.get(match[2] or "", 1)
+
+
+# --- the Ray cluster launcher -------------------------------------------------------------
+
+def test_launcher_yaml_passes_rays_own_preparation_and_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = load("h800-cluster.yaml")
+    # What `ray up` does before it contacts the cloud: defaults, docker checks, schema.
+    prepared = prepare_config(copy.deepcopy(config))
+    validate_config(prepared)
+    worker = prepared["available_node_types"]["h800_worker"]
+    assert worker["resources"]["GPU"] == 8 and worker["min_workers"] == 0 and worker["max_workers"] >= 1
+    assert config["idle_timeout_minutes"] > 0 and worker["idle_timeout_s"] > 0
+
+
+def test_launcher_provider_class_is_the_aliyun_one():
+    from ray.autoscaler._private.providers import _DEFAULT_CONFIGS
+
+    provider = load("h800-cluster.yaml")["provider"]
+    module, _, name = provider["module"].rpartition(".")
+    # Importing the module needs Alibaba's SDK; its source is in the Ray wheel either way.
+    assert importlib.util.find_spec(module) is not None and name == "AliyunNodeProvider"
+    for key in ("region", "zone_id", "cidr_block", "access_key", "access_key_secret", "key_name"):
+        assert key in provider, key  # what Ray's Aliyun provider reads
+    # Why `type: external`: the wheel's `type: aliyun` defaults file is missing. Once it ships,
+    # this fails, and `type: aliyun` can come back.
+    assert not Path(_DEFAULT_CONFIGS["aliyun"]()).exists(), "Ray ships aliyun/defaults.yaml again: use type: aliyun"
+
+
+def test_launcher_runs_the_serving_image_with_weights_read_only():
+    config = load("h800-cluster.yaml")
+    image = config["docker"]["image"]
+    assert image == rayservice_image()
     worker = config["available_node_types"]["h800_worker"]
-    assert worker["resources"]["GPU"] == 8 and worker["resources"]["accelerator_type:H800"] == 8
-    assert worker["min_workers"] == 0 and worker["max_workers"] >= 1 and config["idle_timeout_minutes"] > 0
+    assert "-v /mnt/models:/models:ro" in config["docker"]["worker_run_options"]
+    fetch = " ".join(worker["initialization_commands"])
+    assert "-v /mnt/models:/models " in fetch and image in fetch and "cluster/fetch_models.py" in fetch
 
 
-def test_rayservice_manifest():
+# --- the KubeRay RayService ---------------------------------------------------------------
+
+def rayservice_image() -> str:
+    pods = [head_pod(), worker_group()["template"]["spec"]]
+    (image,) = {c["image"] for pod in pods for c in containers(pod)}
+    return image
+
+
+def test_rayservice_validates_against_the_checked_in_schema():
+    import jsonschema
+
+    schema = json.loads((CLUSTER / "schema" / "rayservice-v1.schema.json").read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    jsonschema.Draft202012Validator(schema).validate(rayservice())
+
+
+def test_the_schema_refuses_what_kuberay_would_drop_or_refuse():
+    import jsonschema
+
+    schema = json.loads((CLUSTER / "schema" / "rayservice-v1.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+
+    def fails(edit) -> bool:
+        manifest = rayservice()
+        edit(manifest)
+        return not validator.is_valid(manifest)
+
+    def spec(manifest: dict) -> dict:
+        return manifest["spec"]
+
+    def worker(manifest: dict) -> dict:
+        return manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+
+    assert fails(lambda m: spec(m).update(serviceUnhealthySecondThreshold=900))  # deprecated
+    assert fails(lambda m: spec(m).update(deploymentUnhealthySecondThreshold=300))  # deprecated
+    assert fails(lambda m: worker(m).update(maxReplica=2))  # misspelt
+    assert fails(lambda m: worker(m)["template"]["spec"]["containers"][0]["ports"].append(
+        {"containerPort": 9001, "name": "serve-grpc-extra"}))  # port names are <= 15 characters
+    assert fails(lambda m: worker(m)["template"]["spec"]["volumes"][1].update(
+        persistentVolumeClaim={"claimName": "x"}))  # one source per volume
+
+
+def strict_crd_schema(crd: dict, version: str = "v1") -> dict:
+    """The CRD's openAPIV3Schema with every object closed, as kubectl's strict field
+    validation treats it (the API server would otherwise drop unknown fields silently)."""
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    schema = copy.deepcopy(served["schema"]["openAPIV3Schema"])
+
+    def close(node):
+        if isinstance(node, dict):
+            if (node.get("type") == "object" and "properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(schema)
+    return schema
+
+
+def schema_paths(node: dict, defs: dict, prefix: tuple = ()) -> set[tuple]:
+    """Property paths of a JSON schema, through $ref, 'items' as '[]'."""
+    if "$ref" in node:
+        node = defs[node["$ref"].rsplit("/", 1)[1]]
+    paths = set()
+    for key, sub in node.get("properties", {}).items():
+        paths.add(prefix + (key,))
+        paths |= schema_paths(sub, defs, prefix + (key,))
+    if isinstance(node.get("items"), dict):
+        paths |= schema_paths(node["items"], defs, prefix + ("[]",))
+    return paths
+
+
+@pytest.mark.skipif(not os.environ.get("KUBERAY_CRD"), reason="KUBERAY_CRD=<path to ray.io_rayservices.yaml> not set")
+def test_rayservice_validates_against_kuberays_crd():
+    """KUBERAY_CRD: ray-operator/config/crd/bases/ray.io_rayservices.yaml of KubeRay v1.6+
+    (the same file `helm install kuberay-operator` applies)."""
+    import jsonschema
+
+    crd = yaml.safe_load(Path(os.environ["KUBERAY_CRD"]).read_text())
+    strict = strict_crd_schema(crd)
+    manifest = rayservice()
+    strict["properties"]["metadata"] = {"type": "object"}  # the API server checks metadata itself
+    jsonschema.Draft7Validator(strict).validate(manifest)
+    # Every field the checked-in schema admits exists in KubeRay's.
+    ours = json.loads((CLUSTER / "schema" / "rayservice-v1.schema.json").read_text())
+    theirs = schema_paths(strict, {})
+    mine = {p for p in schema_paths(ours, ours["$defs"]) if p[0] != "metadata" and "metadata" not in p[:-1]}
+    assert not mine - theirs, sorted(mine - theirs)
+
+
+def test_rayservice_embeds_the_deployment_file():
+    from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import ServeDeploySchema
 
     from dlite_ray.serve.config import AppArgs
 
-    manifest = yaml.safe_load((ROOT / "cluster" / "rayservice-h800.yaml").read_text())
-    assert manifest["kind"] == "RayService" and manifest["apiVersion"] == "ray.io/v1"
-    cluster = manifest["spec"]["rayClusterConfig"]
-    assert cluster["enableInTreeAutoscaling"] is True
-    group = cluster["workerGroupSpecs"][0]
-    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits["nvidia.com/gpu"] == "8"
-    ports = {p["containerPort"] for p in group["template"]["spec"]["containers"][0]["ports"]}
-    assert {8000, 9000} <= ports
-    serve_config = yaml.safe_load(manifest["spec"]["serveConfigV2"])
-    ServeDeploySchema.model_validate(serve_config)
-    AppArgs.model_validate(serve_config["applications"][0]["args"])
+    embedded = yaml.safe_load(rayservice()["spec"]["serveConfigV2"])
+    assert embedded == serve_config()
+    ServeDeploySchema.model_validate(embedded)
+    (app,) = embedded["applications"]
+    args = AppArgs.model_validate(app["args"])
+    AutoscalingConfig.model_validate(args.autoscaling)
+    assert args.engine.device == "cuda" and args.engine.target.startswith("/models/")
+    assert args.engine.draft.startswith("/models/")
+    assert (embedded["http_options"]["port"], embedded["grpc_options"]["port"]) == (HTTP_PORT, GRPC_PORT)
+
+
+def test_http_and_grpc_are_exposed():
+    ports = {p["name"]: p["containerPort"] for p in head_pod()["containers"][0]["ports"]}
+    # KubeRay (>= 1.6) builds the serve service from the head's ports named serve / serve-*.
+    assert ports["serve"] == HTTP_PORT and ports["serve-grpc"] == GRPC_PORT
+    worker_ports = {p["containerPort"] for p in worker_group()["template"]["spec"]["containers"][0]["ports"]}
+    assert {HTTP_PORT, GRPC_PORT} <= worker_ports
+    service_ports = {p["name"]: p for p in rayservice()["spec"]["serveService"]["spec"]["ports"]}
+    assert service_ports["serve"]["port"] == HTTP_PORT and service_ports["serve-grpc"]["port"] == GRPC_PORT
+    assert service_ports["serve-grpc"]["appProtocol"] == "kubernetes.io/h2c"
+
+
+def test_shared_memory_weights_and_gpus_in_the_pods():
+    for pod, start_params in ((head_pod(), rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]),
+                              (worker_group()["template"]["spec"], worker_group())):
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        for container in containers(pod):
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, mount  # every mount has its volume
+        (shm,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        empty_dir = volumes[shm["name"]]["emptyDir"]
+        assert empty_dir["medium"] == "Memory"
+        # Ray's object store must fit in /dev/shm, or Ray falls back to disk.
+        assert int(start_params["rayStartParams"]["object-store-memory"]) < quantity_bytes(empty_dir["sizeLimit"])
+
+    pod = worker_group()["template"]["spec"]
+    serving = pod["containers"][0]
+    (models,) = [m for m in serving["volumeMounts"] if m["mountPath"] == "/models"]
+    assert models["readOnly"] is True
+    (fetch,) = pod["initContainers"]
+    assert [m for m in fetch["volumeMounts"] if m["mountPath"] == "/models" and not m.get("readOnly")]
+    assert "cluster/fetch_models.py" in " ".join(fetch["command"])
+    claim = {v["name"]: v for v in pod["volumes"]}[models["name"]]["persistentVolumeClaim"]["claimName"]
+    pvc = load("models-pvc.yaml")
+    assert pvc["kind"] == "PersistentVolumeClaim" and pvc["metadata"]["name"] == claim
+    assert set(pvc["spec"]["accessModes"]) & {"ReadWriteMany", "ReadOnlyMany"}  # every node mounts it
+
+    limits = serving["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == serving["resources"]["requests"]["nvidia.com/gpu"]
+    assert int(limits["nvidia.com/gpu"]) == int(worker_group()["resources"]["GPU"])  # Ray's num-gpus
+    assert "nvidia.com/gpu" not in head_pod()["containers"][0]["resources"]["limits"]
+
+
+# --- a TargetWorker pair on a worker node ---------------------------------------------------
+
+def target_worker_placement() -> tuple[list[dict], str, int]:
+    from ray.serve.deployment import Application
+
+    from dlite_ray.serve.app import build_app
+
+    (app,) = serve_config()["applications"]
+    pending = [build_app(app["args"])]
+    while pending:
+        deployment = pending.pop()._bound_deployment
+        if deployment.name == "TargetWorker":
+            replica = deployment._replica_config
+            return (replica.placement_group_bundles, replica.placement_group_strategy,
+                    app["args"]["autoscaling"]["max_replicas"])
+        pending += [a for a in [*deployment.init_args, *deployment.init_kwargs.values()] if isinstance(a, Application)]
+    raise AssertionError("no TargetWorker in the app")
+
+
+def pairs_per_node(node: dict, bundles: list[dict]) -> int:
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0) + amount
+    assert set(need) <= set(node), f"the node offers no {set(need) - set(node)}"
+    return min(math.floor(node[key] / amount + 1e-9) for key, amount in need.items())
+
+
+def test_a_pair_fits_one_worker_node_as_the_autoscalers_see_it():
+    from ray.autoscaler._private.kuberay.autoscaling_config import _get_ray_resources_from_group_spec
+
+    bundles, strategy, max_replicas = target_worker_placement()
+    assert strategy == "STRICT_PACK" and len(bundles) == 2 and all(b["GPU"] == 1 for b in bundles)
+    kuberay_node = _get_ray_resources_from_group_spec(worker_group(), is_head=False)
+    launcher = load("h800-cluster.yaml")
+    launcher_node = launcher["available_node_types"]["h800_worker"]
+    for node, max_nodes in ((kuberay_node, worker_group()["maxReplicas"]),
+                            (launcher_node["resources"], launcher_node["max_workers"])):
+        pairs = pairs_per_node(node, bundles)
+        assert pairs == node["GPU"] // 2 == 4
+        assert pairs * max_nodes >= max_replicas  # the node maxima can hold Serve's max_replicas
+        assert pairs * (max_nodes - 1) < max_replicas  # and no node more
+    head = _get_ray_resources_from_group_spec(rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"], is_head=True)
+    assert not head.get("GPU")
+
+
+# --- weights ---------------------------------------------------------------------------------
+
+@pytest.fixture()
+def fetch_models(monkeypatch):
+    spec = importlib.util.spec_from_file_location("fetch_models", CLUSTER / "fetch_models.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    calls = []
+
+    def fake_download(repo_id: str, revision: str, local_dir: Path) -> None:
+        calls.append(repo_id)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        if repo_id == module.DEFAULT_TARGET_REPO:
+            shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+            (local_dir / "model.safetensors.index.json").write_text(
+                json.dumps({"weight_map": {"a": shards[0], "b": shards[1]}}))
+            for name in [*shards, "config.json", "tokenizer_config.json"]:
+                (local_dir / name).write_text("{}")
+        else:
+            (local_dir / "config.json").write_text(json.dumps({"dlite_config": {"architecture_version": "dlite_v1"}}))
+            (local_dir / "model.safetensors").write_text("")
+
+    monkeypatch.setattr(module, "snapshot_download", fake_download)
+    return module, calls
+
+
+def test_fetch_models_downloads_once_then_only_checks(fetch_models, tmp_path):
+    module, calls = fetch_models
+    assert module.main(["--models-dir", str(tmp_path)]) == 0
+    assert calls == [module.DEFAULT_TARGET_REPO, module.DEFAULT_DRAFT_REPO]
+    # The directories deployments/qwen3-8b-h800.yaml reads.
+    engine = serve_config()["applications"][0]["args"]["engine"]
+    assert engine["target"] == f"/models/{module.TARGET_DIR}" and engine["draft"] == f"/models/{module.DRAFT_DIR}"
+    assert module.main(["--models-dir", str(tmp_path)]) == 0 and len(calls) == 2  # complete: no Hub call
+    (tmp_path / module.TARGET_DIR / "model-00002-of-00002.safetensors").unlink()  # a shard lost
+    assert module.main(["--models-dir", str(tmp_path)]) == 0 and calls[2:] == [module.DEFAULT_TARGET_REPO]
+
+
+def test_fetch_models_refuses_a_draft_without_dlite_config(fetch_models, tmp_path, monkeypatch):
+    module, _ = fetch_models
+    draft = tmp_path / module.DRAFT_DIR
+    monkeypatch.setattr(module, "snapshot_download", lambda repo_id, revision, local_dir: (
+        local_dir.mkdir(parents=True, exist_ok=True), (local_dir / "config.json").write_text("{}")))
+    assert module.main(["--models-dir", str(tmp_path)]) == 1
+    assert "config.json:dlite_config" in module.draft_missing(draft)
+
+
+# --- the image -------------------------------------------------------------------------------
+
+def dockerfile_args() -> dict[str, str]:
+    text = (CLUSTER / "Dockerfile").read_text()
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.MULTILINE))
+
+
+def test_dockerfile_versions_agree_with_the_project():
+    import ray
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    args = dockerfile_args()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pins = dict(re.match(r"([\w\[\]-]+)==(\S+)", d).groups() for d in project["dependencies"] if "==" in d)
+    ray_version, py, cuda = re.fullmatch(r"rayproject/ray:([\d.]+)-py(\d+)-(cu\d+)", args["RAY_IMAGE"]).groups()
+    assert ray_version == ray.__version__ and pins["ray[serve]"].rstrip(".*") in ray_version
+    assert rayservice()["spec"]["rayClusterConfig"]["rayVersion"] == ray_version
+    assert py == "311"  # the Python of this project's venv and of the wheels below
+    assert args["TORCH_VERSION"] == pins["torch"]
+    torch_major_minor = ".".join(pins["torch"].split(".")[:2])
+    # flash-attn's wheel must match torch X.Y, its CUDA build, CPython 3.11 and x86_64.
+    wheel = args["FLASH_ATTN_WHEEL"].rsplit("/", 1)[1]
+    assert re.fullmatch(rf"flash_attn-[\d.]+\+{args['TORCH_CUDA']}torch{re.escape(torch_major_minor)}"
+                        rf"(cxx11abi(TRUE|FALSE))?-cp{py}-cp{py}-linux_x86_64\.whl", wheel), wheel
+    assert args["TORCH_CUDA"][:4] == cuda[:4]  # one CUDA major version (12) in base image and torch
+
+
+def test_nothing_builds_flash_attn_from_source():
+    tomllib = pytest.importorskip("tomllib")
+    gpu = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    # PyPI has flash-attn only as a source distribution: an extra naming it compiles CUDA for hours.
+    assert not [d for d in gpu if d.lower().startswith(("flash-attn", "flash_attn"))]
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    assert "[gpu]" not in re.sub(r"#.*", "", dockerfile) and "--no-deps \"${FLASH_ATTN_WHEEL}\"" in dockerfile
+    assert "[gpu]" not in (CLUSTER / "h800-cluster.yaml").read_text()
+
+
+def test_the_image_carries_what_the_nodes_run():
+    ignored = (CLUSTER / "Dockerfile.dockerignore").read_text().split()
+    # fetch_models.py and the deployment file are run from the image's copy of the repository.
+    assert not {"cluster", "cluster/", "deployments", "deployments/", "dlite_ray"} & set(ignored)
+    assert ".venv" in ignored and ".git" in ignored
+    assert "COPY --chown=1000:100 . /home/ray/dlite-ray" in (CLUSTER / "Dockerfile").read_text()
