@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.runtime.sampling import RowSampling
 
@@ -36,6 +37,13 @@ class DraftInfo:
     anchor_group_size: int
     max_draft_tokens: int
     target_layer_ids: tuple[int, ...]
+    normed_last_tap: bool = False  # the draft reads the target's last layer after its final norm
+
+    @classmethod
+    def of(cls, fingerprint: str, cfg: DraftConfig) -> DraftInfo:
+        """What the engine needs to know of a draft with this config."""
+        return cls(fingerprint, cfg.anchor_group_size, cfg.max_draft_tokens, tuple(cfg.target_layer_ids),
+                   cfg.normed_last_tap)
 
 
 class DraftTransport(Protocol):
@@ -51,8 +59,7 @@ class InProcessDraftTransport:
 
     def __init__(self, draft: DLiteDraftModel, fingerprint: str):
         self.draft = draft
-        cfg = draft.cfg
-        self.info = DraftInfo(fingerprint, cfg.anchor_group_size, cfg.max_draft_tokens, tuple(cfg.target_layer_ids))
+        self.info = DraftInfo.of(fingerprint, draft.cfg)
 
     def propose(self, request: DraftRequest) -> DraftProposal:
         return self.draft.propose(request.features, request.token_groups, request.num_tokens,

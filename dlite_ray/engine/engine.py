@@ -93,13 +93,14 @@ class DLiteEngine:
                  max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS,
                  block_size: int = KV_BLOCK_SIZE, attention_backend: str = "auto", enable_prefix_cache: bool = True,
                  scheduler: SchedulerConfig | None = None, boundary_capacity: int = 64,
-                 tap_layers: tuple[int, ...] | None = None):
+                 tap_layers: tuple[int, ...] | None = None, normed_last_tap: bool | None = None):
         """tap_layers: target layers whose hidden states each forward returns (for the
-        draft's pivot features and request traces); the draft's, none without a draft."""
+        draft's pivot features and request traces); the draft's, none without a draft.
+        normed_last_tap: the last layer's tap after the final norm; the draft's convention."""
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         tap_layers = _tap_layers(draft, tap_layers, target.cfg.num_layers)
         self.runner = ModelRunner(target, tap_layers, max_kv_tokens, block_size, attention_backend,
-                                  enable_prefix_cache)
+                                  enable_prefix_cache, _normed_last_tap(draft, normed_last_tap))
         self.eos_ids = _eos_ids(target, tokenizer)
         k, lookup_tokens = _verify_lengths(draft, num_draft_tokens, verify_block_size, lookup_tokens)
         self.policy = SpeculationPolicy(k, adaptive=adaptive_draft_length)
@@ -375,6 +376,16 @@ def _tap_layers(draft: DraftTransport | None, asked: tuple[int, ...] | None, num
         raise ValueError(f"tap_layers {asked} differ from the draft's {own}")
     if any(not 0 <= i < num_layers for i in asked):
         raise ValueError(f"tap_layers {asked} must lie in [0, {num_layers})")
+    return asked
+
+
+def _normed_last_tap(draft: DraftTransport | None, asked: bool | None) -> bool:
+    """Whether the last layer's tap is final-normed: as the draft reads it; others are refused."""
+    own = draft.info.normed_last_tap if draft else False
+    if asked is None:
+        return own
+    if draft is not None and asked != own:
+        raise ValueError(f"normed_last_tap={asked} differs from the draft's convention ({own})")
     return asked
 
 

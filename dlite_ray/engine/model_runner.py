@@ -33,9 +33,11 @@ class RowOutput:
 
 class ModelRunner:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_kv_tokens: int, block_size: int,
-                 attention_backend: str = "auto", enable_prefix_cache: bool = True):
+                 attention_backend: str = "auto", enable_prefix_cache: bool = True, normed_last_tap: bool = False):
+        """normed_last_tap: the last layer's tap is taken after the final norm (see ForwardBatch)."""
         self.target = target
         self.tap_layers = tap_layers
+        self.normed_last_tap = normed_last_tap
         param = next(target.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.backend = make_backend(attention_backend, self.device, self.dtype)
@@ -84,6 +86,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             attention=meta, logit_indices=wanted_t,
             tap_indices=wanted_t if self.tap_layers else None, tap_layers=self.tap_layers,
+            normed_last_tap=self.normed_last_tap,
         )
 
     def _apply_block_copies(self) -> None:

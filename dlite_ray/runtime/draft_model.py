@@ -6,6 +6,8 @@ One round for N requests (REFERENCE.md section 1):
   backbone = decoder layers; queries attend bidirectionally to [context ; queries]
   head     = DLiteSequentialHead turns the K mask outputs into K tokens, one after another
 Positions are local (they never grow with the history); nothing survives the round.
+The config's conventions (`DraftConventions`) say whether the context slots also pass each
+layer's input_layernorm and whether the backbone runs K masks or always B - 1.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class DraftProposal:
 
 
 def build_block_position_ids(group_size: int, num_masks: int, num_slots: int, device=None) -> torch.Tensor:
-    """Local positions of [context slots ; G real tokens ; masks]: slots at max(G - 2, 0)
-    (the pivot, one before the anchor), real tokens 0..G-1, masks G..G+num_masks-1."""
+    """Local positions of [context slots ; G real tokens ; masks], counted from the first real
+    token: slots at the pivot (one before the anchor), max(G - 2, 0); real tokens 0..G-1;
+    masks G..G+num_masks-1."""
     slots = torch.full((num_slots,), max(group_size - 2, 0), dtype=torch.long)
     queries = torch.arange(group_size + num_masks, dtype=torch.long)
     return torch.cat([slots, queries]).to(device)
@@ -99,9 +102,14 @@ class DLiteDraftModel(nn.Module):
             seen = torch.ones(n, s + x.shape[1], dtype=torch.bool, device=x.device)
             mask = torch.cat([history.valid, seen], dim=1)[:, None, None, :]
 
+        # The public convention: k/v read the context slots as context_norm leaves them; our
+        # own drafts were trained with each layer's input_layernorm on them too.
+        kv_norm = self.cfg.conventions.context_layernorm
         for layer in self.layers:
-            ctx_kv_in = layer.input_layernorm(ctx)
-            hist_kv_in = None if history is None else layer.input_layernorm(history.states)
+            ctx_kv_in = layer.input_layernorm(ctx) if kv_norm else ctx
+            hist_kv_in = None
+            if history is not None:
+                hist_kv_in = layer.input_layernorm(history.states) if kv_norm else history.states
 
             def attend(q, k, v, layer=layer, ctx_kv_in=ctx_kv_in, hist_kv_in=hist_kv_in):
                 # Context slots (and history) are keys/values only: this layer's k/v project them.
@@ -129,7 +137,11 @@ class DLiteDraftModel(nn.Module):
         if not 1 <= num_tokens <= self.cfg.max_draft_tokens:
             raise ValueError(f"num_tokens={num_tokens} outside [1, {self.cfg.max_draft_tokens}]")
         head = self.sequential_head
-        u = self.backbone(features, token_groups, num_tokens).to(head.state_proj.weight.dtype)  # the head's dtype
+        # Bidirectional attention: the number of masks changes every output, so a draft
+        # trained on full blocks always runs B - 1 of them and uses the first K.
+        num_masks = self.cfg.max_draft_tokens if self.cfg.conventions.always_full_block else num_tokens
+        u = self.backbone(features, token_groups, num_masks)[:, :num_tokens]
+        u = u.to(head.state_proj.weight.dtype)  # the head's dtype
         prev = token_groups[:, -2] if token_groups.shape[1] > 1 else None
         state = head.initial_state(u.shape[0], u, prev)
         token = token_groups[:, -1]
@@ -182,6 +194,9 @@ class DLiteDraftModel(nn.Module):
             raise DraftConfigError(f"{directory} is not a draft checkpoint (needs config.json + model.safetensors)")
         cfg = DraftConfig.from_dict(json.loads((directory / "config.json").read_text()))
         _check_compatible(cfg, target_embedding, num_target_layers)
+        log.info("draft %s (%s, G=%d): conventions %s (%s)", directory, cfg.architecture_version,
+                 cfg.anchor_group_size, cfg.conventions.describe(),
+                 "recorded in its config" if cfg.conventions_recorded else "none recorded: the public release's")
         with torch.device("meta"):
             model = cls(cfg, nn.Embedding(1, 1))
         state = load_file(directory / "model.safetensors")

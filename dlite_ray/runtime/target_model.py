@@ -30,12 +30,15 @@ class ForwardBatch:
     logit_indices: torch.Tensor  # [M] indices into T whose logits are wanted
     tap_indices: torch.Tensor | None = None  # [P] indices into T whose layer taps are wanted
     tap_layers: tuple[int, ...] = field(default=())
+    # The last layer's tap after the final norm, as Hugging Face's hidden_states[L] (what a
+    # public DLite draft reads); otherwise its raw residual output, like every other layer's.
+    normed_last_tap: bool = False
 
 
 @dataclass(slots=True)
 class ForwardOutput:
     logits: torch.Tensor  # [M, V] float32
-    taps: torch.Tensor | None  # [P, S, D] hidden states *after* each selected layer
+    taps: torch.Tensor | None  # [P, S, D] hidden states *after* each selected layer (see normed_last_tap)
 
 
 class TargetModel(nn.Module):
@@ -63,6 +66,9 @@ class TargetModel(nn.Module):
             x = layer(x, cos, sin, attend)
             if want_taps and i in batch.tap_layers:
                 taps[i] = x.index_select(0, batch.tap_indices)
+        last_layer = len(self.layers) - 1
+        if batch.normed_last_tap and last_layer in taps:
+            taps[last_layer] = self.norm(taps[last_layer])
         last = self.norm(x.index_select(0, batch.logit_indices))
         logits = self.lm_head(last).float()
         stacked = torch.stack([taps[i] for i in batch.tap_layers], dim=1) if want_taps else None

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.scheduler import SchedulerConfig
-from dlite_ray.runtime.draft_config import DraftConfig
+from dlite_ray.runtime.draft_config import DLITE_RAY_CONVENTIONS, DraftConfig, DraftConventions
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, frequent_tokens, load_draft_vocab, save_draft_vocab
 from dlite_ray.training.batches import all_anchors
@@ -33,12 +33,14 @@ from dlite_ray.training.vocabulary import Vocab, vocab_of
 log = logging.getLogger(__name__)
 
 
-def new_draft(engine: DLiteEngine, layers: int, slots: int, rank: int, block_size: int, seed: int) -> DLiteDraftModel:
+def new_draft(engine: DLiteEngine, layers: int, slots: int, rank: int, block_size: int, seed: int,
+              conventions: DraftConventions = DLITE_RAY_CONVENTIONS) -> DLiteDraftModel:
+    """A random draft for the engine's target; its config records the conventions it trains under."""
     target_hf = _target_hf_config(engine)
     # MASK is a real vocabulary row; prefer one that never occurs in text (unk), never EOS.
     tok = engine.tokenizer
     mask_id = next(i for i in (tok.unk_token_id, tok.pad_token_id, engine.eos_ids[0]) if i is not None)
-    cfg = DraftConfig.for_target(target_hf, layers, slots, rank, mask_id, block_size)
+    cfg = DraftConfig.for_target(target_hf, layers, slots, rank, mask_id, block_size, conventions=conventions)
     torch.manual_seed(seed)
     draft = DLiteDraftModel(cfg, engine.target.embed_tokens)
     for p in draft.embed_tokens.parameters():
@@ -56,10 +58,21 @@ def init_weights(draft: DLiteDraftModel, directory: Path) -> None:
     log.info("student starts from %s", directory)
 
 
-def _target_engine(target: str | None, dtype: str, tap_layers: tuple[int, ...] = ()) -> DLiteEngine:
+def draft_conventions(init_from: str | None) -> DraftConventions:
+    """The conventions a new draft trains under: those of the --init-from draft (its weights
+    only make sense under them), else dlite-ray's own."""
+    if not init_from:
+        return DLITE_RAY_CONVENTIONS
+    cfg = DraftConfig.from_dict(json.loads((Path(init_from) / "config.json").read_text()))
+    return cfg.conventions
+
+
+def _target_engine(target: str | None, dtype: str, tap_layers: tuple[int, ...] = (),
+                   normed_last_tap: bool = False) -> DLiteEngine:
     # 64 replies in flight: 1.25x the reply tokens/s of 32 on 128 BFCL/code prompts in bf16
     # (207 -> 166 s); a 4096-token step budget did not help (177 s).
     return DLiteEngine.from_pretrained(target, draft=None, dtype=dtype, tap_layers=tap_layers,
+                                       normed_last_tap=normed_last_tap,
                                        scheduler=SchedulerConfig(max_num_seqs=64, max_batch_tokens=2048))
 
 
@@ -208,8 +221,8 @@ def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cf
     blend_steps = args.blend_steps if args.blend_steps is not None else args.steps // 3
     if not 0 < blend_steps < args.steps:
         raise ValueError(f"--blend-steps must lie in (0, --steps), got {blend_steps}")
-    teacher = WindowTeacher(new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed + 1),
-                            args.window)
+    teacher = WindowTeacher(new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed + 1,
+                                      draft.cfg.conventions), args.window)
     stages = {"teacher": train(teacher_objective(teacher, cfg, vocab), *data, replace(cfg, steps=args.teacher_steps),
                                out, "teacher")}
     adopt_teacher_head(draft, teacher)
@@ -231,13 +244,16 @@ def run(args) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     engine = _target_engine(args.target, "float32")
-    draft = new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed)
+    draft = new_draft(engine, args.layers, args.slots, args.rank, args.block_size, args.seed,
+                      draft_conventions(args.init_from))
     if args.init_from:
         init_weights(draft, Path(args.init_from))
     tap_layers = tuple(draft.cfg.target_layer_ids)
-    log.info("draft: %d layers, S=%d %s, R=%d, %.1fM trainable parameters", args.layers, len(tap_layers),
-             list(tap_layers), args.rank, sum(p.numel() for p in draft.checkpoint_state().values()) / 1e6)
-    data_engine = _target_engine(args.target, args.data_dtype, tap_layers)
+    log.info("draft: %d layers, S=%d %s, R=%d, %.1fM trainable parameters; conventions %s", args.layers,
+             len(tap_layers), list(tap_layers), args.rank,
+             sum(p.numel() for p in draft.checkpoint_state().values()) / 1e6, draft.cfg.conventions.describe())
+    # The features are recorded as the draft will read them at inference.
+    data_engine = _target_engine(args.target, args.data_dtype, tap_layers, draft.cfg.normed_last_tap)
     if args.extend_from:
         train_records, dev_records = earlier_data(args.extend_from)
         train_records = train_records + extend_data(data_engine, out, train_records + dev_records, args)
