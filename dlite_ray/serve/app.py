@@ -27,10 +27,11 @@ def build_app(args: AppArgs | dict) -> Application:
                                 request_router_class="dlite_ray.serve.affinity_router:ConversationAffinityRouter",
                                 request_routing_stats_period_s=args.routing_stats_period_s)}
     if disaggregated:
-        # bundle 0: the target (the replica itself); bundle 1: its DraftWorker
+        # bundle 0: the target (the replica itself, which must ask for bundle 0's GPU to be
+        # given one); bundle 1: its DraftWorker (draft_link.draft_actor_options)
         worker_options["placement_group_bundles"] = [dict(bundle), dict(bundle)]
         worker_options["placement_group_strategy"] = "STRICT_PACK"
-        worker_options["ray_actor_options"] = {"num_cpus": cpus}
+        worker_options["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": 1} if gpu else {"num_cpus": cpus}
     elif gpu:
         worker_options["ray_actor_options"]["num_gpus"] = 1
     if args.autoscaling:

@@ -45,7 +45,8 @@ def serve_app(tiny_serving_model, tmp_path_factory):
     from dlite_ray.serve.config import AppArgs, EngineArgs
 
     target_dir, draft_dir = tiny_serving_model
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+    # two logical GPUs: enough to place a GPU pair's bundles and see what each actor gets
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
                 grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [
                     "dlite_ray.serve.proto.dlite_pb2_grpc.add_DLiteServiceServicer_to_server"]})

@@ -63,6 +63,41 @@ def test_cpu_workers_run_on_the_threads_configured(serve_app):
     assert (stats["cpu_threads"], stats["draft_cpu_threads"]) == (args.engine.cpu_threads, 1) == (2, 1)
 
 
+def test_a_gpu_pair_gives_the_target_and_its_draft_one_gpu_each(serve_app):
+    """build_app for CUDA: the TargetWorker replica asks for bundle 0's GPU and its DraftWorker
+    for bundle 1's, so each sees one GPU and not the same one (on the session's two logical
+    GPUs, with probes in place of the models)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from dlite_ray.serve.app import build_app
+
+    worker = build_app({"engine": {"device": "cuda"}})._bound_deployment.init_args[0]._bound_deployment
+    bundles = worker._replica_config.placement_group_bundles
+    assert [b["GPU"] for b in bundles] == [1, 1] and worker._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert worker.ray_actor_options["num_gpus"] == 1
+
+    @ray.remote
+    class Replica:
+        def gpus_of_pair(self) -> tuple[list, list]:
+            from dlite_ray.serve.draft_link import draft_actor_options
+
+            draft = ray.remote(lambda: ray.get_gpu_ids()).options(**draft_actor_options("cuda"))
+            return ray.get_gpu_ids(), ray.get(draft.remote(), timeout=60)
+
+    pg = placement_group(bundles, strategy="STRICT_PACK")
+    try:
+        ray.get(pg.ready(), timeout=60)
+        replica = Replica.options(**worker.ray_actor_options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=0)).remote()
+        target_gpus, draft_gpus = ray.get(replica.gpus_of_pair.remote(), timeout=120)
+        ray.kill(replica)
+    finally:
+        remove_placement_group(pg)
+    assert len(target_gpus) == 1 and len(draft_gpus) == 1 and target_gpus != draft_gpus
+
+
 def test_streaming_chat_completion(serve_app, reference):
     r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
                       headers=AUTH_A, stream=True, timeout=120)
