@@ -1,140 +1,280 @@
-"""The draft transport over torch.distributed: target (rank 0) and draft (rank 1) on
-separate devices or processes, NCCL with CUDA tensors, gloo on CPU.
+"""A draft round between two processes, both sides (Ray-free): `PairTransport` is the
+target's DraftTransport over one connection, `DraftServer` answers on the draft's side.
 
-Wire format per round, no pickling: a fixed int64 header, then fixed-dtype payloads
-whose shapes the header gives.
-  target -> draft: header [op, N, G, S, D, K, any_sampled, V]; token_groups int64 [N, G];
-                   features bf16 [N, S, D]; temperature fp32 [N]; top_k int64 [N];
-                   top_p fp32 [N]; draft_greedy uint8 [N]; seeds int64 [N]
-  draft -> target: tokens int64 [N, K]; if any_sampled: width int64 [1] (W), the token
-                   ids int64 [W] that probs' columns stand for when W < V, probs fp32 [N, K, W]
-A draft with a vocabulary subset sends its distributions W wide (8192 of 49152 columns for
-the shipped draft), and the target widens them to V where verification reads them.
-The draft holds no per-request state between rounds (history-free), so there is nothing
-else to keep in sync.
+Per round (see pair_channels for the two channels):
+  target -> draft  control: Round (K, token groups [N, G], sampling knobs, seeds)
+                   payload: features bf16 [N, S, D]
+  draft -> target  control: RoundDone (W, the width of the distributions that follow)
+                   payload: tokens int64 [N, K]; if any row sampled: prob ids int64 [W]
+                            when W < V, probs fp32 [N, K, W]
+The target waits for RoundDone with a poll timeout before it posts its payload receives,
+and every round has one host-side deadline (`timeout_s`): a draft that is dead, killed
+mid-round or slower makes `propose` raise DraftUnavailable by then, and the transport
+closes itself (aborting its process group, so nothing stays posted). The draft holds no
+per-request state between rounds (history-free), so a fresh connection needs no resync.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import pickle
+import socket
+import threading
 import time
-from datetime import timedelta
+from multiprocessing.connection import Connection
 
 import torch
-import torch.distributed as dist
 
 from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, DraftUnavailable
 from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.runtime.sampling import RowSampling
+from dlite_ray.serve.pair_channels import (
+    DRAFT_RANK,
+    TARGET_RANK,
+    DistPayload,
+    HostPayload,
+    Join,
+    Joined,
+    Payload,
+    PayloadKind,
+    Ping,
+    Pong,
+    Round,
+    RoundDone,
+    Shutdown,
+    authenticate,
+    join_store,
+    make_store,
+    open_control,
+    recv_message,
+)
 
 log = logging.getLogger(__name__)
 
-OP_PROPOSE, OP_SHUTDOWN = 1, 2
-HEADER = 8
-TARGET_RANK, DRAFT_RANK = 0, 1
+# what a broken pair raises: sockets, gloo/NCCL (RuntimeError), deadlines, garbage
+PAIR_ERRORS = (OSError, EOFError, TimeoutError, RuntimeError, pickle.UnpicklingError)
 
 
-def init_pair(address: str, rank: int, backend: str, timeout_s: float = 30.0) -> None:
-    """Join the two-process group (blocks until both ranks have joined)."""
-    dist.init_process_group(backend, init_method=address, rank=rank, world_size=2,
-                            timeout=timedelta(seconds=timeout_s))
+class PairTransport:
+    """Target side of one connection to a draft. Healthy until a round or ping fails; then
+    closed for good (a DraftLink makes a new one)."""
 
-
-class DistributedDraftTransport:
-    """Target side: DraftTransport over the process group."""
-
-    def __init__(self, info: DraftInfo, vocab_size: int, device: torch.device):
-        self.info, self.vocab_size, self.device = info, vocab_size, device
-        self.comm_time = 0.0  # seconds spent in send/recv, summed over rounds
+    def __init__(self, conn: Connection, payload: Payload, joined: Joined, vocab_size: int, timeout_s: float):
+        if joined.vocab_size != vocab_size:
+            raise ConnectionError(f"the draft holds a {joined.vocab_size}-token embedding, the target {vocab_size}")
+        self.info: DraftInfo = joined.info
+        self.cpu_threads = joined.cpu_threads  # what the draft process runs on
+        self.vocab_size, self.timeout_s = vocab_size, timeout_s
+        self.comm_time = 0.0  # seconds of rounds, draft compute included, summed
         self.healthy = True
+        self._conn, self._payload = conn, payload
+        self._lock = threading.Lock()  # one round or ping at a time on the socket
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], authkey: bytes, *, vocab_size: int, payload: PayloadKind,
+                device: torch.device, timeout_s: float, group_timeout_s: float,
+                join_timeout_s: float = 60.0) -> PairTransport:
+        """Join the draft listening at `address`: authenticate, build the payload channel
+        and warm it (one tiny send and receive each way, so that NCCL builds its
+        communicator here and not inside a request)."""
+        deadline = time.monotonic() + join_timeout_s
+        sock = socket.create_connection(address, timeout=join_timeout_s)
+        host = sock.getsockname()[0]  # this side's address as the draft reaches it
+        conn = open_control(sock, timeout_s)
+        channel: Payload | None = None
+        try:
+            authenticate(conn, authkey, deadline)
+            if payload == "dist":
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                store = make_store(host, join_timeout_s)
+                conn.send(Join("dist", backend, host, store.port, group_timeout_s))
+                channel = DistPayload.join(store, TARGET_RANK, backend, host, device, group_timeout_s)
+            else:
+                conn.send(Join("host", None, "", 0, group_timeout_s))
+                channel = HostPayload(conn, device)
+            joined = recv_message(conn, deadline)
+            if not isinstance(joined, Joined):
+                raise ConnectionError(f"the draft answered the join with {type(joined).__name__}")
+            channel.send([torch.ones(1, dtype=torch.int64)])
+            channel.recv([((1,), torch.int64)], deadline)
+            channel.wait_sent(deadline)
+            return cls(conn, channel, joined, vocab_size, timeout_s)
+        except BaseException:
+            if channel is not None:
+                channel.close()
+            conn.close()
+            raise
 
     def propose(self, request: DraftRequest) -> DraftProposal:
-        if not self.healthy:
-            raise DraftUnavailable("draft process is not connected")
-        try:
-            return self._round(request)
-        except (RuntimeError, dist.DistBackendError) as exc:
-            self.healthy = False
-            raise DraftUnavailable(f"draft round failed: {exc}") from exc
+        with self._lock:
+            if not self.healthy:
+                raise DraftUnavailable("the draft pair is closed")
+            start = time.perf_counter()
+            try:
+                proposal = self._round(request, time.monotonic() + self.timeout_s)
+            except PAIR_ERRORS as exc:
+                self._fail()
+                raise DraftUnavailable(f"draft round failed: {exc}") from exc
+            self.comm_time += time.perf_counter() - start
+            return proposal
 
-    def _round(self, request: DraftRequest) -> DraftProposal:
-        start = time.perf_counter()
-        n, g = request.token_groups.shape
-        feats = request.features.to(torch.bfloat16)
-        s, d = feats.shape[1], feats.shape[2]
-        k = request.num_tokens
-        sampled = bool((~request.draft_greedy).any())
-        rs = request.sampling
-        seeds = torch.stack([torch.randint(0, 2**62, (1,), generator=gen) for gen in rs.generators]).view(-1) \
-            if all(gen is not None for gen in rs.generators) else torch.randint(0, 2**62, (n,))
-        header = torch.tensor([OP_PROPOSE, n, g, s, d, k, int(sampled), self.vocab_size], dtype=torch.int64)
-        for t in (header, request.token_groups.long(), feats, rs.temperature.float(), rs.top_k.long(),
-                  rs.top_p.float(), request.draft_greedy.to(torch.uint8), seeds.long()):
-            dist.send(t.to(self.device).contiguous(), dst=DRAFT_RANK)
-        tokens = torch.empty(n, k, dtype=torch.int64, device=self.device)
-        dist.recv(tokens, src=DRAFT_RANK)
-        probs = prob_ids = None
+    def _round(self, request: DraftRequest, deadline: float) -> DraftProposal:
+        n, _ = request.token_groups.shape
+        k, rs = request.num_tokens, request.sampling
+        greedy = request.draft_greedy.tolist()
+        sampled = not all(greedy)
+        feats = None if request.features is None else request.features.to(torch.bfloat16)
+        self._conn.send(Round(k, request.token_groups.tolist(), None if feats is None else tuple(feats.shape),
+                              rs.temperature.tolist(), rs.top_k.tolist(), rs.top_p.tolist(), greedy,
+                              _seeds(rs, n), sampled, self.vocab_size))
+        if feats is not None:
+            self._payload.send([feats])
+        done = recv_message(self._conn, deadline)  # the draft's compute happens behind this
+        if not isinstance(done, RoundDone):
+            raise ConnectionError(f"the draft answered a round with {type(done).__name__}")
+        specs = [((n, k), torch.int64)]
+        w = done.width
         if sampled:
-            width = torch.empty(1, dtype=torch.int64, device=self.device)
-            dist.recv(width, src=DRAFT_RANK)
-            w = int(width)
             if not 0 < w <= self.vocab_size:
-                raise RuntimeError(f"the draft sent distributions {w} wide for a vocabulary of {self.vocab_size}")
+                raise ConnectionError(f"the draft sent distributions {w} wide for a vocabulary of {self.vocab_size}")
             if w < self.vocab_size:
-                prob_ids = torch.empty(w, dtype=torch.int64, device=self.device)
-                dist.recv(prob_ids, src=DRAFT_RANK)
-            probs = torch.empty(n, k, w, dtype=torch.float32, device=self.device)
-            dist.recv(probs, src=DRAFT_RANK)
-        self.comm_time += time.perf_counter() - start
-        return DraftProposal(tokens, probs, prob_ids)
+                specs.append(((w,), torch.int64))
+            specs.append(((n, k, w), torch.float32))
+        got = self._payload.recv(specs, deadline)
+        self._payload.wait_sent(deadline)
+        if not sampled:
+            return DraftProposal(got[0], None)
+        return DraftProposal(got[0], got[-1], got[1] if len(got) == 3 else None)
+
+    def ping(self) -> bool:
+        """Heartbeat: whether the draft answers a Ping within the round deadline. A round in
+        progress is its own heartbeat (no wait for it)."""
+        if not self._lock.acquire(blocking=False):
+            return self.healthy
+        try:
+            if not self.healthy:
+                return False
+            try:
+                self._conn.send(Ping())
+                if isinstance(recv_message(self._conn, time.monotonic() + self.timeout_s), Pong):
+                    return True
+            except PAIR_ERRORS as exc:
+                log.warning("draft heartbeat failed: %s", exc)
+            self._fail()
+            return False
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
-        if self.healthy and dist.is_initialized():
-            try:
-                dist.send(torch.tensor([OP_SHUTDOWN] + [0] * (HEADER - 1), dtype=torch.int64, device=self.device),
-                          dst=DRAFT_RANK)
-            except RuntimeError:
-                pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        with self._lock:
+            if self.healthy:
+                with contextlib.suppress(OSError):
+                    self._conn.send(Shutdown())
+            self._fail()
+
+    def _fail(self) -> None:
         self.healthy = False
+        self._payload.close()
+        with contextlib.suppress(OSError):
+            self._conn.close()
 
 
-def serve_draft(draft: DLiteDraftModel, device: torch.device) -> None:
-    """Draft side: answer rounds until the target says stop (or the group breaks)."""
-    header = torch.empty(HEADER, dtype=torch.int64, device=device)
+def _seeds(rs: RowSampling, n: int) -> list[int]:
+    """One draw from each row's generator seeds the draft's (unseeded rows: fresh seeds)."""
+    if all(gen is not None for gen in rs.generators):
+        return [int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)) for gen in rs.generators]
+    return torch.randint(0, 2**62, (n,)).tolist()
+
+
+class DraftServer:
+    """Draft side: listens on `address` and answers one target connection at a time, round
+    by round. When a connection ends (target closed it, a round failed) it listens again, so
+    the target may reconnect without the draft reloading."""
+
+    def __init__(self, draft: DLiteDraftModel, device: torch.device, authkey: bytes, fingerprint: str,
+                 host: str = "127.0.0.1", join_timeout_s: float = 60.0):
+        self.info = DraftInfo.of(fingerprint, draft.cfg)
+        self.draft, self.device, self._authkey, self._join_timeout = draft, device, authkey, join_timeout_s
+        self._sock = socket.create_server((host, 0))
+        self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self.serve_forever, name="draft-server", daemon=True)
+        thread.start()
+        return thread
+
+    def serve_forever(self) -> None:
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:  # closed
+                return
+            try:
+                self._serve_connection(sock)
+            except PAIR_ERRORS as exc:
+                log.warning("draft pair connection ended: %s", exc)
+            except Exception:  # a bad round ends its connection, never the server
+                log.exception("draft round failed")
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _serve_connection(self, sock: socket.socket) -> None:
+        host = sock.getsockname()[0]
+        conn = open_control(sock, self._join_timeout)
+        channel: Payload | None = None
+        try:
+            deadline = time.monotonic() + self._join_timeout
+            authenticate(conn, self._authkey, deadline)
+            join = recv_message(conn, deadline)
+            if not isinstance(join, Join):
+                raise ConnectionError(f"the target opened with {type(join).__name__}")
+            if join.payload == "dist":
+                store = join_store(join.store_host, join.store_port, self._join_timeout)
+                channel = DistPayload.join(store, DRAFT_RANK, join.backend, host, self.device, join.group_timeout_s)
+            else:
+                channel = HostPayload(conn, self.device)
+            conn.send(Joined(self.info, self.draft.embed_tokens.num_embeddings, torch.get_num_threads()))
+            channel.send(channel.recv([((1,), torch.int64)], deadline))
+            channel.wait_sent(deadline)
+            log.info("draft pair joined (%s payload)", join.payload)
+            serve_rounds(self.draft, conn, channel, self.device, join.group_timeout_s)
+        finally:
+            if channel is not None:
+                channel.close()
+            conn.close()
+
+
+def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, device: torch.device,
+                 timeout_s: float) -> None:
+    """Answer rounds until the target says stop or goes away (EOFError). Waiting for the
+    next round has no deadline; each round's payload has `timeout_s`."""
+    dtype = next(draft.parameters()).dtype
     while True:
-        dist.recv(header, src=TARGET_RANK)
-        op, n, g, s, d, k, sampled, vocab = header.tolist()
-        if op == OP_SHUTDOWN:
-            break
-        groups = _recv((n, g), torch.int64, device)
-        feats = _recv((n, s, d), torch.bfloat16, device)
-        temperature = _recv((n,), torch.float32, device)
-        top_k = _recv((n,), torch.int64, device)
-        top_p = _recv((n,), torch.float32, device)
-        greedy = _recv((n,), torch.uint8, device).bool()
-        seeds = _recv((n,), torch.int64, device).tolist()
-        gens = [torch.Generator(device=device).manual_seed(x) for x in seeds]
-        dtype = next(draft.parameters()).dtype
-        proposal = draft.propose(feats.to(dtype), groups, k, RowSampling(temperature, top_k, top_p, gens), greedy)
-        dist.send(proposal.tokens.contiguous(), dst=TARGET_RANK)
-        if sampled:
-            _send_probs(proposal, vocab)
-    dist.destroy_process_group()
-
-
-def _send_probs(proposal: DraftProposal, vocab: int) -> None:
-    """The draft distributions at the width they were drawn at (see the wire format)."""
-    probs = proposal.probs.float().contiguous()
-    width = probs.shape[-1]
-    dist.send(torch.tensor([width], dtype=torch.int64, device=probs.device), dst=TARGET_RANK)
-    if width < vocab:
-        dist.send(proposal.prob_ids.long().contiguous(), dst=TARGET_RANK)
-    dist.send(probs, dst=TARGET_RANK)
-
-
-def _recv(shape, dtype, device) -> torch.Tensor:
-    t = torch.empty(shape, dtype=dtype, device=device)
-    dist.recv(t, src=TARGET_RANK)
-    return t
+        msg = conn.recv()
+        if isinstance(msg, Ping):
+            conn.send(Pong())
+            continue
+        if isinstance(msg, Shutdown):
+            return
+        if not isinstance(msg, Round):
+            raise ConnectionError(f"unexpected {type(msg).__name__} between rounds")
+        deadline = time.monotonic() + timeout_s
+        feats = None
+        if msg.feature_shape is not None:
+            feats = payload.recv([(msg.feature_shape, torch.bfloat16)], deadline)[0].to(device, dtype)
+        gens = [torch.Generator(device=device).manual_seed(seed) for seed in msg.seeds]
+        proposal = draft.propose(feats, torch.tensor(msg.token_groups, dtype=torch.long, device=device),
+                                 msg.num_tokens, RowSampling.build(msg.temperature, msg.top_k, msg.top_p, gens, device),
+                                 torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device))
+        out, width = [proposal.tokens.long()], 0
+        if msg.sampled:
+            probs = proposal.probs.float()
+            width = probs.shape[-1]
+            if width < msg.vocab_size:
+                out.append(proposal.prob_ids.long())
+            out.append(probs)
+        conn.send(RoundDone(width))
+        payload.send(out)
+        payload.wait_sent(time.monotonic() + timeout_s)

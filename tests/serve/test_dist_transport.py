@@ -1,39 +1,28 @@
-"""The draft transport over torch.distributed (gloo), without Ray: a draft process answers
-rounds exactly as the draft would in process, and a draft with a vocabulary subset sends
-its distributions at the subset's width."""
+"""The draft pair without Ray: a draft process answers rounds exactly as the draft would in
+process, over either payload channel (gloo, or host memory on the control socket); a draft
+with a vocabulary subset sends its distributions at the subset's width; an idle pair stays
+joined past its group timeout; a wrong key is refused before anything is unpickled."""
 
 from __future__ import annotations
 
-import multiprocessing
-import socket
+import threading
+import time
 
 import pytest
 import torch
 
-from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest
+from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, InProcessDraftTransport
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import save_draft_vocab
-from dlite_ray.runtime.loading import load_embedding, load_target
+from dlite_ray.runtime.loading import load_target
 from dlite_ray.runtime.sampling import RowSampling
-from dlite_ray.serve.dist_transport import DRAFT_RANK, TARGET_RANK, DistributedDraftTransport, init_pair, serve_draft
+from dlite_ray.serve.dist_transport import DraftServer, PairTransport
+from dlite_ray.serve.draft_process import start_local_pair
 from tests.conftest import read_config
 from tests.engine.conftest import random_draft
 
 VOCAB = 128
-
-
-def _draft_process(address: str, target_dir: str, draft_dir: str, num_layers: int) -> None:
-    draft = DLiteDraftModel.load(draft_dir, load_embedding(target_dir), num_layers)
-    init_pair(address, DRAFT_RANK, "gloo")
-    serve_draft(draft, torch.device("cpu"))
-
-
-def _free_address() -> str:
-    """A loopback address (draft_worker.free_address takes Ray's node IP when Ray runs, as it
-    does in this test session)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+CPU = torch.device("cpu")
 
 
 def _seeded_copies(generators: list[torch.Generator]) -> list[torch.Generator]:
@@ -46,42 +35,90 @@ def _seeded_copies(generators: list[torch.Generator]) -> list[torch.Generator]:
     return copies
 
 
-@pytest.mark.parametrize("subset", [True, False], ids=["vocabulary subset", "whole vocabulary"])
-def test_a_draft_process_answers_as_the_draft_in_process(tiny_dirs, tmp_path, subset):
+def _request(local: DLiteDraftModel, hidden: int, generators: list[torch.Generator]) -> DraftRequest:
+    torch.manual_seed(0)
+    # features travel as bf16: the reference reads the same rounded values
+    feats = torch.randn(3, local.cfg.num_slots, hidden).to(torch.bfloat16).float()
+    greedy = torch.tensor([False, True, False])  # a mixed batch: one row drafts by argmax
+    return DraftRequest(torch.tensor([[5], [9], [17]]), feats, 5,
+                        RowSampling.build([0.8] * 3, [0] * 3, [1.0] * 3, generators), greedy)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dirs, tmp_path_factory):
+    """(target dir, target, draft dir): a random draft saved for a child process to load."""
     target_dir = tiny_dirs["llama"]
     target = load_target(target_dir)
-    draft_dir = tmp_path / "draft"
+    draft_dir = tmp_path_factory.mktemp("pair") / "draft"
     random_draft(target, read_config(target_dir)).save(draft_dir, dtype=torch.float32)
+    return target_dir, target, draft_dir
+
+
+@pytest.mark.parametrize("payload", ["host", "dist"])
+@pytest.mark.parametrize("subset", [True, False], ids=["vocabulary subset", "whole vocabulary"])
+def test_a_draft_process_answers_as_the_draft_in_process(tiny_pair, tmp_path, payload, subset):
+    target_dir, target, draft_dir = tiny_pair
     keep = torch.arange(2, VOCAB, 3)
     if subset:
+        draft_dir = tmp_path / "draft"
+        DLiteDraftModel.load(tiny_pair[2], target.embed_tokens, target.cfg.num_layers).save(draft_dir, torch.float32)
         save_draft_vocab(draft_dir, keep)
-    local = DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers)
+    local = InProcessDraftTransport(DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers), "x")
 
-    address = _free_address()
-    child = multiprocessing.get_context("spawn").Process(
-        target=_draft_process, args=(address, str(target_dir), str(draft_dir), target.cfg.num_layers))
-    child.start()
+    link, handle = start_local_pair(draft_dir, target=target_dir, payload=payload, timeout_s=30)
     try:
-        init_pair(address, TARGET_RANK, "gloo")
-        info = DraftInfo("test", 1, local.cfg.max_draft_tokens, tuple(local.cfg.target_layer_ids))
-        transport = DistributedDraftTransport(info, VOCAB, torch.device("cpu"))
-        torch.manual_seed(0)
-        # features travel as bf16: the reference reads the same rounded values
-        feats = torch.randn(3, local.cfg.num_slots, target.cfg.hidden_size).to(torch.bfloat16).float()
-        groups = torch.tensor([[5], [9], [17]])
-        greedy = torch.tensor([False, True, False])  # a mixed batch: one row drafts by argmax
+        assert link.info.target_layer_ids == local.info.target_layer_ids
         gens = [torch.Generator().manual_seed(i) for i in range(3)]
-        want = local.propose(feats, groups, 5, RowSampling.build([0.8] * 3, [0] * 3, [1.0] * 3, _seeded_copies(gens)),
-                             greedy)
-        got = transport.propose(DraftRequest(groups, feats, 5, RowSampling.build([0.8] * 3, [0] * 3, [1.0] * 3, gens),
-                                             greedy))
-        transport.close()
+        want = local.propose(_request(local.draft, target.cfg.hidden_size, _seeded_copies(gens)))
+        got = link.propose(_request(local.draft, target.cfg.hidden_size, gens))
+        assert link.connected and link.restarts == 0
     finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
-    assert child.exitcode == 0
+        handle.close()
     assert torch.equal(got.tokens, want.tokens)
     assert got.probs.shape == (3, 5, len(keep) if subset else VOCAB)  # what crossed the wire
     assert (got.prob_ids is not None) == subset and (not subset or torch.equal(got.prob_ids, keep))
     torch.testing.assert_close(got.vocabulary_probs(VOCAB), want.vocabulary_probs(VOCAB))
+
+
+def test_an_idle_pair_outlives_its_group_timeout(tiny_pair):
+    """Nothing is posted on the process group between rounds: idling for twice its timeout
+    leaves the pair joined, and the next round is drafted (the old transport kept a receive
+    posted while idle, and the draft died with its timeout)."""
+    target_dir, target, draft_dir = tiny_pair
+    local = InProcessDraftTransport(DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers), "x")
+    link, handle = start_local_pair(draft_dir, target=target_dir, payload="dist", timeout_s=2, group_timeout_s=3,
+                                    heartbeat_s=1)
+    try:
+        link.propose(_request(local.draft, target.cfg.hidden_size, [None] * 3))
+        time.sleep(6.5)
+        assert link.connected
+        got = link.propose(_request(local.draft, target.cfg.hidden_size, [None] * 3))
+        assert link.restarts == 0
+    finally:
+        handle.close()
+    want = local.propose(_request(local.draft, target.cfg.hidden_size, [None] * 3))
+    assert torch.equal(got.tokens[1], want.tokens[1])  # the greedy row
+
+
+def test_a_wrong_key_is_refused(tiny_pair):
+    _, target, draft_dir = tiny_pair
+    draft = DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers)
+    server = DraftServer(draft, CPU, b"right key", "x", join_timeout_s=5)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises((ConnectionError, EOFError)):
+            PairTransport.connect(server.address, b"wrong key", vocab_size=VOCAB, payload="host", device=CPU,
+                                  timeout_s=5, group_timeout_s=5, join_timeout_s=5)
+        pair = PairTransport.connect(server.address, b"right key", vocab_size=VOCAB, payload="host", device=CPU,
+                                     timeout_s=5, group_timeout_s=5, join_timeout_s=5)
+        assert pair.info == DraftInfo.of("x", draft.cfg) and pair.ping()
+        pair.close()
+    finally:
+        server.close()
+
+
+def test_a_dist_payload_on_one_gpu_is_refused_before_anything_starts(tiny_pair):
+    """NCCL refuses two ranks on one GPU; the host payload is the one-GPU pair."""
+    _, _, draft_dir = tiny_pair
+    with pytest.raises(ValueError, match="payload='host'"):
+        start_local_pair(draft_dir, device="cuda", payload="dist")
