@@ -37,12 +37,17 @@ WEIGHT_STD = 0.02  # the usual init scale: activations stay finite through 36 la
 
 
 def _fill_random(module: torch.nn.Module, seed: int, skip: tuple[torch.Tensor, ...] = ()) -> None:
-    """Matrices ~ N(0, WEIGHT_STD^2); norms stay ones, as a fresh model has them."""
+    """Matrices ~ N(0, WEIGHT_STD^2), biases zero, norms ones: a function of the seed alone
+    (a draft process rebuilds the same weights)."""
     gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
     with torch.no_grad():
-        for p in module.parameters():
-            if p.dim() >= 2 and not any(p is s for s in skip):
+        for name, p in module.named_parameters():
+            if any(p is s for s in skip):
+                continue
+            if p.dim() >= 2:
                 p.normal_(0.0, WEIGHT_STD, generator=gen)
+            elif name.endswith("bias"):
+                p.zero_()
 
 
 def _built_on(device: torch.device, dtype: torch.dtype, build):
@@ -58,18 +63,34 @@ def _built_on(device: torch.device, dtype: torch.dtype, build):
 
 def random_target(hf: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = 0) -> TargetModel:
     model = _built_on(device, dtype, lambda: TargetModel(ModelConfig.from_hf(hf)))
-    _fill_random(model, seed)
+    _fill_random(model, seed)  # the embedding first: `random_embedding` draws the same table
     model.eval()
     model.freeze()
     return model
 
 
-def random_draft(target: TargetModel, hf: dict[str, Any], num_layers: int, num_slots: int, rank: int,
-                 seed: int = 1) -> DLiteDraftModel:
+def random_embedding(hf: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Embedding:
+    """`random_target(hf, dtype, device, seed)`'s token embedding alone (what a draft in
+    another process needs), drawn as the target draws it."""
+    embedding = _built_on(device, dtype, lambda: torch.nn.Embedding(hf["vocab_size"], hf["hidden_size"]))
+    _fill_random(embedding, seed)
+    return embedding.requires_grad_(False)
+
+
+def random_draft(target: TargetModel | None, hf: dict[str, Any], num_layers: int, num_slots: int, rank: int,
+                 seed: int = 1, embedding: torch.nn.Embedding | None = None) -> DLiteDraftModel:
+    """A draft reading `target` (or its `embedding` alone, in another process)."""
     cfg = DraftConfig.for_target(hf, num_layers, num_slots, rank, mask_token_id=0)
-    param = next(target.parameters())
-    draft = _built_on(param.device, param.dtype, lambda: DLiteDraftModel(cfg, target.embed_tokens))
-    _fill_random(draft, seed, skip=(target.embed_tokens.weight,))  # the target's, shared
+    embedding = embedding if embedding is not None else target.embed_tokens
+    draft = _built_on(embedding.weight.device, embedding.weight.dtype, lambda: DLiteDraftModel(cfg, embedding))
+    _fill_random(draft, seed, skip=(embedding.weight,))  # the target's, shared
     draft.eval()
     draft.freeze()
     return draft
+
+
+def draft_in_child(hf: dict[str, Any], draft_dims: dict[str, int], dtype: str, device: torch.device) -> DLiteDraftModel:
+    """The draft `random_draft` builds beside `random_target`, rebuilt in a draft process
+    (a picklable factory: functools.partial over the first three arguments)."""
+    embedding = random_embedding(hf, getattr(torch, dtype), device)
+    return random_draft(None, hf, **draft_dims, embedding=embedding)

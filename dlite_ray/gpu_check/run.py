@@ -21,7 +21,7 @@ import torch
 
 from dlite_ray.constants import KV_BLOCK_SIZE
 from dlite_ray.engine.model_runner import ModelRunner
-from dlite_ray.gpu_check import exactness, timing
+from dlite_ray.gpu_check import exactness, gemm_settings, timing, transport
 from dlite_ray.gpu_check.random_models import DRAFT_8B, DRAFT_SMALL, QWEN3_8B, QWEN3_SMALL, random_draft, random_target
 from dlite_ray.runtime.attention import flash_attn_available
 
@@ -75,6 +75,10 @@ def run_checks(out: Path, small: bool, device: torch.device, dtype: torch.dtype 
     section("steps", lambda: _step_times(target, taps, plan))
     section("draft", lambda: [timing.draft_times(draft, b) for b in plan.draft_batches])
     section("bandwidth", lambda: _bandwidth(target, device, plan))
+    section("gemm_settings", lambda: gemm_settings.compare_settings(_linear_shapes(target.cfg), dtype, device))
+    # last: a draft process on the same device would skew the timings above
+    section("transport", lambda: transport.one_device_pair(target, draft, plan.target, plan.draft, plan.prompt_lengths,
+                                                           plan.new_tokens))
     report["exact"] = _exact_flags(report)
     report["all_equal"] = all(report["exact"].values())
     _write(out, report, started, device)
@@ -114,6 +118,8 @@ def _exact_flags(report: dict) -> dict[str, bool]:
         flags[f"oracle_greedy_{b}_equal"] = result["oracle_equal"]
     # the law is kept if the exact sampler passes and the broken one is caught by the same test
     flags["rejection_law_equal"] = rejection["p_value"] > 1e-3 and rejection["broken_sampler_p_value"] < 1e-6
+    flags["one_device_proposals_equal"] = report["transport"]["proposals_equal"]
+    flags["killed_draft_greedy_equal"] = report["transport"]["killed_draft_greedy_equal"]
     return flags
 
 
@@ -126,6 +132,13 @@ def _linear_plan(target) -> dict:
     return {name: {"kind": type(f).__name__, "min_rows": getattr(f, "min_rows", None),
                    "split_rows": None if getattr(f, "max_rows", float("inf")) == float("inf") else f.max_rows}
             for name, f in named.items()}
+
+
+def _linear_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each of a layer's linears, fused as frozen."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return {"qkv": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
 
 
 def _weight_bytes(model) -> int:

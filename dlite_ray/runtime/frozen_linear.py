@@ -96,10 +96,22 @@ class PackedLinear(FrozenLinear):
 
 
 def freeze_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
+    if weight.is_cuda:
+        prefer_cublaslt()
     kind = PackedLinear if can_pack(weight) else FrozenLinear
     out_features, in_features = weight.shape
     probe_key = (kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
     return kind(weight, bias, fewest_exact_rows(*probe_key), split_large=not large_calls_agree(*probe_key))
+
+
+@functools.cache
+def prefer_cublaslt() -> None:
+    """GEMMs through cuBLASLt, process-wide, before any probe. With cuBLAS's defaults on an
+    H200, calls of 33-1024 rows of Qwen3-8B's o_proj and down_proj round some rows unlike
+    32-row calls (a split-K chosen by row count), so every prefill ran as 32-row GEMMs, each
+    reading the weights again; through cuBLASLt they agree, at the same speed (`dlite-ray
+    gpu-check`, section gemm_settings). The probes below still decide each shape."""
+    torch.backends.cuda.preferred_blas_library("cublaslt")
 
 
 @functools.cache

@@ -16,7 +16,7 @@ def test_small_check_writes_every_section_and_all_flags_hold(tmp_path):
     report = run_checks(out, small=True, device=torch.device("cpu"))
     written = json.loads(out.read_text())
     for section in ("versions", "models", "linear_plan", "row_exactness", "greedy", "rejection", "steps", "draft",
-                    "bandwidth", "exact"):
+                    "bandwidth", "transport", "gemm_settings", "exact"):
         assert section in written, section
     assert all(name.endswith("_equal") for name in report["exact"])
     assert report["exact"] and report["all_equal"], report["exact"]
