@@ -18,9 +18,9 @@ from dlite_ray.runtime.frozen_linear import FrozenLinear, fewest_exact_rows, lar
 @contextlib.contextmanager
 def _setting(name: str) -> Iterator[None]:
     matmul = torch.backends.cuda.matmul
-    torch.backends.cuda.preferred_blas_library("cublas")  # the default, whatever the runtime set
     saved = (torch.backends.cuda.preferred_blas_library(), matmul.allow_bf16_reduced_precision_reduction)
     try:
+        torch.backends.cuda.preferred_blas_library("cublas")  # the default, whatever the runtime set
         if name in ("cublaslt", "cublaslt_fp32_reduction"):
             torch.backends.cuda.preferred_blas_library("cublaslt")
         if name in ("fp32_reduction", "cublaslt_fp32_reduction"):
