@@ -5,7 +5,7 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from dlite_ray.serve.config import AppArgs
+from dlite_ray.serve.config import AppArgs, EngineArgs
 from dlite_ray.serve.ingress import DLiteIngressDeployment
 from dlite_ray.serve.router import ConversationRouterDeployment
 from dlite_ray.serve.target_worker import TargetWorkerDeployment
@@ -18,7 +18,8 @@ def build_app(args: AppArgs | dict) -> Application:
     gpu = args.engine.device == "cuda"
     # A bundle may not be all zeros: a token CPU share keeps 2-core machines schedulable.
     cpus = max(args.replica_num_cpus, 0.01)
-    bundle = {"CPU": cpus, "GPU": 1} if gpu else {"CPU": cpus}
+    gpus = pair_gpu_share(args.engine) if gpu else 0
+    bundle = {"CPU": cpus, "GPU": gpus} if gpu else {"CPU": cpus}
     if gpu and args.accelerator_type:
         bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
     worker_options: dict = {"max_ongoing_requests": args.max_ongoing_requests,
@@ -31,7 +32,7 @@ def build_app(args: AppArgs | dict) -> Application:
         # given one); bundle 1: its DraftWorker (draft_link.draft_actor_options)
         worker_options["placement_group_bundles"] = [dict(bundle), dict(bundle)]
         worker_options["placement_group_strategy"] = "STRICT_PACK"
-        worker_options["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": 1} if gpu else {"num_cpus": cpus}
+        worker_options["ray_actor_options"] = {"num_cpus": cpus, "num_gpus": gpus} if gpu else {"num_cpus": cpus}
     elif gpu:
         worker_options["ray_actor_options"]["num_gpus"] = 1
     if args.autoscaling:
@@ -41,3 +42,10 @@ def build_app(args: AppArgs | dict) -> Application:
     worker = TargetWorkerDeployment.options(**worker_options).bind(args)
     router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, args)
     return DLiteIngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, router, args)
+
+
+def pair_gpu_share(engine: EngineArgs) -> float:
+    """GPUs for each of a pair's two bundles: one each, or half of one GPU each where the
+    draft's tensors go through host memory (PACK places both halves on one GPU)."""
+    shares_one = engine.disaggregated_draft and engine.draft != "none" and engine.draft_payload == "host"
+    return 0.5 if shares_one else 1

@@ -23,6 +23,10 @@ class EngineArgs(BaseModel):
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
     disaggregated_draft: bool = Field(True, description="run the draft in its own actor (bundle 1) over torch.distributed")
     draft_timeout_s: float = Field(30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
+    draft_payload: Literal["dist", "host"] = Field(
+        "dist", description="how a round's tensors reach the draft actor: 'dist' over torch.distributed (NCCL, one "
+                            "GPU each; gloo on CPU), 'host' through host memory on the control socket (target and "
+                            "draft share one GPU, half of it each: NCCL refuses two ranks on one device)")
     cpu_threads: int | None = Field(
         None, ge=1, description="torch threads of the target on CPU; null = every core the worker may run on but "
                                 "one, left to the ingress, proxy and draft (not Ray's logical num_cpus, 0 on small "

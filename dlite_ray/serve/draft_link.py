@@ -20,17 +20,18 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.serve.draft_process import PairLink
 from dlite_ray.serve.draft_worker import DraftWorker
+from dlite_ray.serve.pair_channels import PayloadKind
 
 ACTOR_START_TIMEOUT_S = 300.0  # loading the draft on a cold node
 JOIN_TIMEOUT_S = 60.0
 
 
-def draft_actor_options(device: str) -> dict:
+def draft_actor_options(device: str, gpu_share: float = 1) -> dict:
     """The DraftWorker's actor options: bundle 1 of the caller's placement group (GPU 1 of
-    the pair), or anywhere outside one."""
+    the pair, or the half of the target's GPU it shares), or anywhere outside one."""
     options: dict = {"num_cpus": 0}
     if device == "cuda":
-        options["num_gpus"] = 1
+        options["num_gpus"] = gpu_share
     pg = get_current_placement_group()
     if pg is not None and pg.bundle_count > 1:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
@@ -41,13 +42,15 @@ def draft_actor_options(device: str) -> dict:
 class ActorLauncher:
     """DraftLauncher: one DraftWorker actor at a time."""
 
-    def __init__(self, spec: tuple):
+    def __init__(self, spec: tuple, gpu_share: float = 1):
         self._spec = spec  # DraftWorker's constructor arguments
+        self._gpu_share = gpu_share
         self._actor = None
 
     def address(self, authkey: bytes) -> tuple[str, int]:
         if self._actor is None:
-            self._actor = DraftWorker.options(**draft_actor_options(self._spec[4])).remote(*self._spec)
+            options = draft_actor_options(self._spec[4], self._gpu_share)
+            self._actor = DraftWorker.options(**options).remote(*self._spec)
             ray.get(self._actor.ping.remote(), timeout=ACTOR_START_TIMEOUT_S)
         return tuple(ray.get(self._actor.listen.remote(authkey, JOIN_TIMEOUT_S), timeout=60))
 
@@ -65,11 +68,14 @@ class ActorLauncher:
 
 class DraftLink(PairLink):
     def __init__(self, info: DraftInfo, vocab_size: int, target_path: str, draft_path: str, num_target_layers: int,
-                 dtype: str, device: str, timeout_s: float, cpu_threads: int):
-        # A GPU pair has one GPU each (bundles 0 and 1): tensors go straight over NCCL.
-        super().__init__(info, vocab_size,
-                         ActorLauncher((target_path, draft_path, num_target_layers, dtype, device, cpu_threads)),
-                         device=torch.device("cuda:0" if device == "cuda" else "cpu"), payload="dist",
+                 dtype: str, device: str, timeout_s: float, cpu_threads: int, payload: PayloadKind = "dist"):
+        """payload "dist": a GPU pair has one GPU each (bundles 0 and 1), tensors go straight
+        over NCCL; "host": the two share one GPU (half each) and stage tensors through host
+        memory."""
+        gpu_share = 0.5 if payload == "host" else 1  # as app.pair_gpu_share gives the bundles
+        spec = (target_path, draft_path, num_target_layers, dtype, device, cpu_threads)
+        super().__init__(info, vocab_size, ActorLauncher(spec, gpu_share),
+                         device=torch.device("cuda:0" if device == "cuda" else "cpu"), payload=payload,
                          timeout_s=timeout_s, join_timeout_s=JOIN_TIMEOUT_S)
 
     def kill_actor(self) -> None:

@@ -45,10 +45,9 @@ def build_engine(args: EngineArgs) -> DLiteEngine:
     target = load_target(target_path, DTYPES[args.dtype], device)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
     cfg = DraftConfig.from_dict(json.loads((Path(draft_path) / "config.json").read_text()))
-    info = DraftInfo(checkpoint_fingerprint(draft_path), cfg.anchor_group_size, cfg.max_draft_tokens,
-                     tuple(cfg.target_layer_ids))
+    info = DraftInfo.of(checkpoint_fingerprint(draft_path), cfg)  # the draft's conventions (last tap normed or not)
     link = DraftLink(info, target.cfg.vocab_size, str(target_path), str(draft_path), target.cfg.num_layers,
-                     args.dtype, args.device, args.draft_timeout_s, args.draft_cpu_threads)
+                     args.dtype, args.device, args.draft_timeout_s, args.draft_cpu_threads, args.draft_payload)
     return DLiteEngine(target, tokenizer, link, **kwargs)
 
 

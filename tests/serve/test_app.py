@@ -63,27 +63,31 @@ def test_cpu_workers_run_on_the_threads_configured(serve_app):
     assert (stats["cpu_threads"], stats["draft_cpu_threads"]) == (args.engine.cpu_threads, 1) == (2, 1)
 
 
-def test_a_gpu_pair_gives_the_target_and_its_draft_one_gpu_each(serve_app):
+@pytest.mark.parametrize(("payload", "share"), [("dist", 1), ("host", 0.5)])
+def test_a_gpu_pair_gives_the_target_and_its_draft_their_gpus(serve_app, payload, share):
     """build_app for CUDA: the TargetWorker replica asks for bundle 0's GPU and its DraftWorker
     for bundle 1's, so each sees one GPU and not the same one (on the session's two logical
-    GPUs, with probes in place of the models)."""
+    GPUs, with probes in place of the models); with draft_payload 'host' each asks for half
+    of one, so a one-GPU machine holds the pair."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from dlite_ray.serve.app import build_app
 
-    worker = build_app({"engine": {"device": "cuda"}})._bound_deployment.init_args[0]._bound_deployment
+    app = build_app({"engine": {"device": "cuda", "draft_payload": payload}})
+    worker = app._bound_deployment.init_args[0]._bound_deployment
     bundles = worker._replica_config.placement_group_bundles
-    assert [b["GPU"] for b in bundles] == [1, 1] and worker._replica_config.placement_group_strategy == "STRICT_PACK"
-    assert worker.ray_actor_options["num_gpus"] == 1
+    assert [b["GPU"] for b in bundles] == [share, share]
+    assert worker._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert worker.ray_actor_options["num_gpus"] == share
 
     @ray.remote
     class Replica:
         def gpus_of_pair(self) -> tuple[list, list]:
             from dlite_ray.serve.draft_link import draft_actor_options
 
-            draft = ray.remote(lambda: ray.get_gpu_ids()).options(**draft_actor_options("cuda"))
+            draft = ray.remote(lambda: ray.get_gpu_ids()).options(**draft_actor_options("cuda", share))
             return ray.get_gpu_ids(), ray.get(draft.remote(), timeout=60)
 
     pg = placement_group(bundles, strategy="STRICT_PACK")
@@ -95,7 +99,8 @@ def test_a_gpu_pair_gives_the_target_and_its_draft_one_gpu_each(serve_app):
         ray.kill(replica)
     finally:
         remove_placement_group(pg)
-    assert len(target_gpus) == 1 and len(draft_gpus) == 1 and target_gpus != draft_gpus
+    assert len(target_gpus) == 1 and len(draft_gpus) == 1
+    assert (target_gpus != draft_gpus) == (payload == "dist")
 
 
 def test_streaming_chat_completion(serve_app, reference):
