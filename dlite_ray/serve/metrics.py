@@ -23,6 +23,9 @@ class Metrics:
         self.kv_total = Gauge("dlite_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.running = Gauge("dlite_running_requests", "requests in the running batch", registry=r)
         self.comm_time = Gauge("dlite_draft_comm_seconds", "target<->draft communication time", registry=r)
+        self.draft_connected = Gauge("dlite_draft_connected",
+                                     "1 while the draft answered its last round or heartbeat", registry=r)
+        self.draft_restarts = Gauge("dlite_draft_restarts", "reconnections of the draft after a failure", registry=r)
 
     def finished(self, stats: dict, latency: float) -> None:
         self.requests.inc()
@@ -43,6 +46,8 @@ class Metrics:
         self.kv_total.set(stats.get("kv_blocks_total", 0))
         self.running.set(stats.get("running", 0))
         self.comm_time.set(stats.get("draft_comm_time_s", 0.0))
+        self.draft_connected.set(1 if stats.get("draft_connected") else 0)
+        self.draft_restarts.set(stats.get("draft_restarts", 0))
 
     def snapshot(self) -> dict:
         return {"requests": self.requests._value.get(), "tokens": self.tokens._value.get()}
