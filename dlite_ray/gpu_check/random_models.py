@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dlite_ray.runtime.config import ModelConfig
-from dlite_ray.runtime.draft_config import DraftConfig
+from dlite_ray.runtime.draft_config import PUBLIC_CONVENTIONS, DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.target_model import TargetModel
 
@@ -79,8 +79,10 @@ def random_embedding(hf: dict[str, Any], dtype: torch.dtype, device: torch.devic
 
 def random_draft(target: TargetModel | None, hf: dict[str, Any], num_layers: int, num_slots: int, rank: int,
                  seed: int = 1, embedding: torch.nn.Embedding | None = None) -> DLiteDraftModel:
-    """A draft reading `target` (or its `embedding` alone, in another process)."""
-    cfg = DraftConfig.for_target(hf, num_layers, num_slots, rank, mask_token_id=0)
+    """A draft reading `target` (or its `embedding` alone, in another process), with the
+    public release's conventions: what a Qwen3-8B deployment loads (its last tap final-normed,
+    every round's backbone over B - 1 masks)."""
+    cfg = DraftConfig.for_target(hf, num_layers, num_slots, rank, mask_token_id=0, conventions=PUBLIC_CONVENTIONS)
     embedding = embedding if embedding is not None else target.embed_tokens
     draft = _built_on(embedding.weight.device, embedding.weight.dtype, lambda: DLiteDraftModel(cfg, embedding))
     _fill_random(draft, seed, skip=(embedding.weight,))  # the target's, shared

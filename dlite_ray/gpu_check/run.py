@@ -67,7 +67,7 @@ def run_checks(out: Path, small: bool, device: torch.device, dtype: torch.dtype 
                                "target_weight_bytes": _weight_bytes(target),
                                "draft_parameters": _draft_parameters(draft), "built_s": time.perf_counter() - started})
     section("linear_plan", lambda: _linear_plan(target))
-    taps = tuple(draft.cfg.target_layer_ids)
+    taps = (tuple(draft.cfg.target_layer_ids), draft.cfg.normed_last_tap)  # what the draft reads
     section("row_exactness", lambda: _row_exactness(target, taps, plan))
     section("greedy", lambda: {f"batch{b}": exactness.greedy_equality(
         target, draft, b, plan.prompt_lengths, plan.new_tokens, max_kv_tokens=32768) for b in (1, 8)})
@@ -85,8 +85,9 @@ def run_checks(out: Path, small: bool, device: torch.device, dtype: torch.dtype 
     return report
 
 
-def _row_exactness(target, taps, plan: CheckPlan) -> dict:
-    runner = ModelRunner(target, taps, sum(plan.row_contexts) + 1024, KV_BLOCK_SIZE, "auto")
+def _row_exactness(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan) -> dict:
+    runner = ModelRunner(target, taps[0], sum(plan.row_contexts) + 1024, KV_BLOCK_SIZE, "auto",
+                         normed_last_tap=taps[1])
     result = {"backend": runner.backend.name,
               "batch1": exactness.row_exactness(runner, plan.row_contexts[:1], target.cfg.vocab_size),
               "batch8": exactness.row_exactness(runner, plan.row_contexts, target.cfg.vocab_size)}
@@ -95,9 +96,9 @@ def _row_exactness(target, taps, plan: CheckPlan) -> dict:
     return result
 
 
-def _step_times(target, taps, plan: CheckPlan) -> list[dict]:
+def _step_times(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan) -> list[dict]:
     kv_tokens = max(b * (c + 2 * KV_BLOCK_SIZE) for b, c in plan.step_shapes)
-    runner = ModelRunner(target, taps, kv_tokens, KV_BLOCK_SIZE, "auto")
+    runner = ModelRunner(target, taps[0], kv_tokens, KV_BLOCK_SIZE, "auto", normed_last_tap=taps[1])
     rows = [timing.step_times(runner, b, c) for b, c in plan.step_shapes]
     del runner
     _free_cache()
