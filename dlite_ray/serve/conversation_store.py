@@ -1,33 +1,42 @@
 """Durable conversation registry for the ConversationRouter (SQLite, plain Python).
 
 Per conversation: an unguessable id, its tenant, the message history, a version bumped on
-every append, the state (generating / paused / closed / evicted), the TargetWorker replica
-holding its KV and boundary features, and the lease deadline of that hold. History is
-never deleted by expiry; only DeleteConversation removes it. A conversation of another
-tenant does not exist for the caller (same error as an unknown id).
+every claimed turn, the state (generating / paused / closed / evicted), the TargetWorker
+replica holding its KV and boundary features, the lease deadline of that hold, and while
+it generates, the turn's claim (holder and deadline, see turn_claims). History is never
+deleted by expiry; only DeleteConversation removes it, and its text is overwritten in the
+file (secure_delete). A conversation of another tenant does not exist for the caller (same
+error as an unknown id). A turn may carry an idempotency key: its retry replays the stored
+reply, or re-runs a turn that failed, instead of appending the messages again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
-import sqlite3
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlite_ray.serve.errors import ConversationBusy, ConversationNotFound
+from dlite_ray.serve.conversation_db import CLOSED, EVICTED, GENERATING, PAUSED, open_db
+from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound
+from dlite_ray.serve.turn_claims import MAX_IDEMPOTENCY_KEY_CHARS, UNRENEWED_CLAIM_S
 
-GENERATING, PAUSED, CLOSED, EVICTED = "generating", "paused", "closed", "evicted"
+__all__ = ["CLOSED", "EVICTED", "GENERATING", "PAUSED", "Conversation", "ConversationStore", "TurnOutcome"]
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY, tenant TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL,
-    replica TEXT, lease_deadline REAL, messages TEXT NOT NULL, created REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS by_lease ON conversations (state, lease_deadline);
-"""
+_COLUMNS = "id, tenant, version, state, replica, lease_deadline, messages, claim_holder, claim_deadline"
+
+
+@dataclass(slots=True)
+class TurnOutcome:
+    """What a finished turn answered: its retry under the same idempotency key gets this."""
+
+    reply: str
+    finish_reason: str | None
 
 
 @dataclass(slots=True)
@@ -39,60 +48,111 @@ class Conversation:
     replica: str | None
     lease_deadline: float | None
     messages: list[dict[str, str]] = field(default_factory=list)
+    claim_holder: str | None = None
+    claim_deadline: float | None = None
+    replayed: TurnOutcome | None = None  # set by begin_turn when its key names a finished turn
 
 
 class ConversationStore:
     def __init__(self, path: str | Path = ":memory:"):
-        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
-        self._db.executescript(_SCHEMA)
+        self._db = open_db(path)
         self._lock = threading.Lock()
 
     def create(self, tenant: str, messages: list[dict[str, str]]) -> Conversation:
         conv = Conversation(secrets.token_urlsafe(18), tenant, 0, PAUSED, None, None, list(messages))
         with self._lock:
-            self._db.execute("INSERT INTO conversations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                             (conv.id, tenant, 0, PAUSED, None, None, json.dumps(conv.messages), time.time()))
+            self._db.execute("INSERT INTO conversations (id, tenant, version, state, messages, created) "
+                             "VALUES (?, ?, ?, ?, ?, ?)", (conv.id, tenant, 0, PAUSED, json.dumps(conv.messages),
+                                                           time.time()))
         return conv
 
     def get(self, tenant: str, conversation_id: str) -> Conversation:
         with self._lock:
             return self._load(tenant, conversation_id)
 
-    def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict[str, str]]) -> Conversation:
-        """Append the new messages and claim the conversation for one generation."""
-        with self._lock:
+    def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict[str, str]], *,
+                   holder: str | None = None, claim_s: float = UNRENEWED_CLAIM_S,
+                   idempotency_key: str | None = None, now: float | None = None) -> Conversation:
+        """Append the new messages and claim the conversation for one generation, for
+        `holder` until `claim_s` from now (a claim whose deadline passed is taken over).
+
+        With an `idempotency_key` seen before on this conversation: a finished turn is not
+        run again (the result carries `replayed`, the messages are not appended); a turn
+        that failed is claimed again without appending its messages a second time."""
+        now = time.time() if now is None else now
+        digest = _digest(messages)
+        with self._lock, self._transaction():
             conv = self._load(tenant, conversation_id)
-            if conv.state == GENERATING:
-                raise ConversationBusy(f"conversation {conversation_id} is already generating")
-            conv.messages += messages
+            key = self._turn_key(conv.id, idempotency_key)
+            if key is not None:
+                version, key_digest, reply_index, finish_reason = key
+                if key_digest != digest:
+                    raise BadRequest("this idempotency key was used with other messages")
+                if reply_index is not None:
+                    conv.replayed = TurnOutcome(conv.messages[reply_index]["content"], finish_reason)
+                    return conv
+                self._check_claimable(conv, now)
+                if version != conv.version:
+                    raise ConversationBusy(f"the turn of this idempotency key on {conversation_id} was superseded")
+            else:
+                self._check_claimable(conv, now)
+                conv.messages += messages
             conv.version += 1
-            conv.state = GENERATING
+            conv.state, conv.claim_holder, conv.claim_deadline = GENERATING, holder, now + claim_s
             self._save(conv)
+            if idempotency_key is not None:
+                self._db.execute("INSERT OR REPLACE INTO turn_keys (conversation_id, key, version, digest, created) "
+                                 "VALUES (?, ?, ?, ?, ?)", (conv.id, idempotency_key, conv.version, digest, now))
             return conv
 
-    def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
-                    lease_s: float) -> Conversation:
-        """Store the reply; the conversation pauses with its KV held on `replica` until the lease ends."""
+    def renew_turn(self, tenant: str, conversation_id: str, version: int, claim_s: float,
+                   now: float | None = None) -> float:
+        """Push the claim of turn `version` to `claim_s` from now; its new deadline. A claim
+        that ended while nobody took over is claimed again (its holder is evidently alive).
+        ConversationBusy when another turn took over, or this one finished."""
+        now = time.time() if now is None else now
         with self._lock:
+            conv = self._load(tenant, conversation_id)
+            if conv.version != version or conv.state not in (GENERATING, EVICTED):
+                raise ConversationBusy(f"turn {version} of {conversation_id} no longer holds it")
+            self._db.execute("UPDATE conversations SET state = ?, claim_deadline = ? WHERE id = ?",
+                             (GENERATING, now + claim_s, conv.id))
+            return now + claim_s
+
+    def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
+                    lease_s: float, finish_reason: str | None = None) -> Conversation:
+        """Store the reply; the conversation pauses with its KV held on `replica` until the
+        lease ends. A turn whose claim ended stores its reply still, unless another turn
+        took over (a new version)."""
+        with self._lock, self._transaction():
             conv = self._load(tenant, conversation_id)
             if conv.version != version:
                 raise ConversationBusy(f"conversation {conversation_id} moved on (version {conv.version})")
             conv.messages.append({"role": "assistant", "content": reply})
             conv.state, conv.replica, conv.lease_deadline = PAUSED, replica, time.time() + lease_s
+            conv.claim_holder = conv.claim_deadline = None
             self._save(conv)
+            self._db.execute("UPDATE turn_keys SET reply_index = ?, finish_reason = ? "
+                             "WHERE conversation_id = ? AND version = ?",
+                             (len(conv.messages) - 1, finish_reason, conv.id, version))
             return conv
 
-    def abandon_turn(self, tenant: str, conversation_id: str) -> None:
-        """A failed generation: the appended messages stay (nothing is lost), the KV hold does not."""
+    def abandon_turn(self, tenant: str, conversation_id: str, version: int | None = None) -> bool:
+        """A failed generation: the appended messages stay (nothing is lost), the KV hold
+        does not. With `version`, only that turn is abandoned (a turn that lost its claim
+        leaves its successor alone). Whether anything changed."""
         with self._lock:
             conv = self._load(tenant, conversation_id)
-            conv.state, conv.replica, conv.lease_deadline = EVICTED, None, None
-            self._save(conv)
+            if version is not None and (conv.version != version or conv.state != GENERATING):
+                return False
+            self._release(conv)
+            return True
 
     def delete(self, tenant: str, conversation_id: str) -> Conversation:
-        with self._lock:
+        with self._lock, self._transaction():
             conv = self._load(tenant, conversation_id)
             self._db.execute("DELETE FROM conversations WHERE id = ?", (conversation_id,))
+            self._db.execute("DELETE FROM turn_keys WHERE conversation_id = ?", (conversation_id,))
             conv.state = CLOSED
             return conv
 
@@ -100,15 +160,24 @@ class ConversationStore:
         """Paused conversations whose lease ended: marked evicted (their history stays).
         Returned as they were, so the caller can tell each holding replica to release."""
         now = time.time() if now is None else now
+        return self._release_where("state = ? AND lease_deadline < ?", (PAUSED, now))
+
+    def expire_claims(self, now: float | None = None) -> list[Conversation]:
+        """Turns whose claim deadline passed: their conversations return to use (evicted,
+        history kept). Returned as they were, so the caller can release their KV holds."""
+        now = time.time() if now is None else now
+        return self._release_where("state = ? AND claim_deadline < ?", (GENERATING, now))
+
+    def claim_holders(self) -> set[str]:
+        """Holders of the turns being generated."""
         with self._lock:
-            rows = self._db.execute("SELECT id, tenant FROM conversations WHERE state = ? AND lease_deadline < ?",
-                                    (PAUSED, now)).fetchall()
-            out = []
-            for cid, tenant in rows:
-                conv = self._load(tenant, cid)
-                out.append(conv)
-                self._save(Conversation(conv.id, tenant, conv.version, EVICTED, None, None, conv.messages))
-            return out
+            rows = self._db.execute("SELECT DISTINCT claim_holder FROM conversations "
+                                    "WHERE state = ? AND claim_holder IS NOT NULL", (GENERATING,)).fetchall()
+        return {h for (h,) in rows}
+
+    def release_holder(self, holder: str) -> list[Conversation]:
+        """`holder` is gone: its turns end now (evicted, history kept), returned as they were."""
+        return self._release_where("state = ? AND claim_holder = ?", (GENERATING, holder))
 
     def evict_replica(self, replica: str) -> int:
         """A replica drained or died: what it held must be re-prefilled elsewhere."""
@@ -134,14 +203,57 @@ class ConversationStore:
                 n += cur.rowcount
             return n
 
+    def _check_claimable(self, conv: Conversation, now: float) -> None:
+        if conv.state == GENERATING and (conv.claim_deadline is None or conv.claim_deadline > now):
+            raise ConversationBusy(f"conversation {conv.id} is already generating")
+
+    def _release_where(self, where: str, params: tuple) -> list[Conversation]:
+        with self._lock, self._transaction():
+            rows = self._db.execute(f"SELECT {_COLUMNS} FROM conversations WHERE {where}", params).fetchall()
+            for row in rows:
+                self._release(_row(row))
+            return [_row(r) for r in rows]
+
+    def _release(self, conv: Conversation) -> None:
+        conv.state, conv.replica, conv.lease_deadline = EVICTED, None, None
+        conv.claim_holder = conv.claim_deadline = None
+        self._save(conv)
+
+    def _turn_key(self, conversation_id: str, key: str | None) -> tuple | None:
+        if key is None:
+            return None
+        if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
+            raise BadRequest(f"an idempotency key has 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
+        return self._db.execute("SELECT version, digest, reply_index, finish_reason FROM turn_keys "
+                                "WHERE conversation_id = ? AND key = ?", (conversation_id, key)).fetchone()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """Several statements as one: a process killed between them leaves neither."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
     def _load(self, tenant: str, conversation_id: str) -> Conversation:
-        row = self._db.execute("SELECT id, tenant, version, state, replica, lease_deadline, messages "
-                               "FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
+        row = self._db.execute(f"SELECT {_COLUMNS} FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
         if row is None or row[1] != tenant:  # another tenant's conversation does not exist for you
             raise ConversationNotFound(f"no conversation {conversation_id!r}")
-        return Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6]))
+        return _row(row)
 
     def _save(self, conv: Conversation) -> None:
         self._db.execute("UPDATE conversations SET version = ?, state = ?, replica = ?, lease_deadline = ?, "
-                         "messages = ? WHERE id = ?", (conv.version, conv.state, conv.replica, conv.lease_deadline,
-                                                       json.dumps(conv.messages), conv.id))
+                         "messages = ?, claim_holder = ?, claim_deadline = ? WHERE id = ?",
+                         (conv.version, conv.state, conv.replica, conv.lease_deadline, json.dumps(conv.messages),
+                          conv.claim_holder, conv.claim_deadline, conv.id))
+
+
+def _row(row: tuple) -> Conversation:
+    return Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6]), row[7], row[8])
+
+
+def _digest(messages: list[dict[str, str]]) -> str:
+    return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()

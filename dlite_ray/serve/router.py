@@ -1,34 +1,51 @@
 """ConversationRouter: one replica that owns the durable conversation registry.
 
-The ingress asks it to create, read, claim (begin a turn), complete and delete
-conversations; it expires leases in the background and tells the holding TargetWorker
-replica to unpin the conversation's KV. Histories live in SQLite, so a restarted router
-finds every conversation again.
+The ingress asks it to create, read, claim (begin a turn), renew, complete and delete
+conversations; it expires leases and turn claims in the background and tells the holding
+TargetWorker replica to unpin the conversation's KV. Histories live in SQLite, so a
+restarted router finds every conversation again; a turn claim whose holder is gone
+(checked against live actors) or whose deadline passed ends, so no conversation stays
+"generating" for good.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
+from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 
-import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.conversation_store import ConversationStore
+from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationStore
+from dlite_ray.serve.errors import ConversationBusy
+from dlite_ray.serve.turn_claims import SERVE_REPLICA_PREFIX, UNRENEWED_CLAIM_S, holder_gone, live_actor_names
 
 log = logging.getLogger(__name__)
 EXPIRY_PERIOD_S = 5.0
+LIVENESS_CACHE_S = 1.0  # busy answers ask the GCS who is alive at most this often
+MIN_CLAIM_S = 3.0
 
 
 class ConversationRouter:
-    def __init__(self, worker: DeploymentHandle | None, args: AppArgs):
+    def __init__(self, worker: DeploymentHandle | None, args: AppArgs,
+                 live_actors: Callable[[], set[str] | None] = live_actor_names):
+        """`live_actors` names the cluster's live actors (None: unknown); tests inject it."""
         self.worker = worker
         self.args = args.conversations
         self.store = ConversationStore(self.args.store_path)
+        self._live_actors = live_actors
+        self._live: tuple[float, set[str] | None] = (-math.inf, None)
         self._expiry = None
+        try:
+            self._app = serve.get_replica_context().app_name
+        except Exception:  # noqa: BLE001 - not inside a Serve replica (tests)
+            self._app = None
 
     def _ensure_expiry_task(self) -> None:
         if self._expiry is None or self._expiry.done():
@@ -38,22 +55,53 @@ class ConversationRouter:
         while True:
             await asyncio.sleep(EXPIRY_PERIOD_S)
             try:
-                for conv in self.store.expire():
-                    log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
-                    await self._release(conv.id, conv.replica)
-                await self._evict_gone_replicas()
+                await self.expire_round()
             except Exception:  # one bad round must not stop expiry for good
                 log.exception("lease expiry round failed; retrying next period")
 
-    async def _evict_gone_replicas(self) -> None:
-        """A replica that died, or was drained on scale-down, holds nothing any more: its
-        conversations are evicted and re-prefill wherever their next turn lands."""
-        live = await asyncio.to_thread(live_replicas, "TargetWorker")  # a GCS call: off the event loop
+    async def expire_round(self, now: float | None = None) -> None:
+        """Ended leases and turn claims, then what replicas that are gone held or claimed."""
+        for conv in self.store.expire(now):
+            log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
+            await self._release(conv.id, conv.replica)
+        for conv in self.store.expire_claims(now):
+            log.info("turn claim on %s by %s ended: evicted (history kept)", conv.id, conv.claim_holder)
+            await self._release(conv.id, conv.replica)
+        holders = self.store.claim_holders()  # before the lookup: a claim made after it is not judged by it
+        live = await self._live_names(max_age=0)
         if live is None:
             return
-        for replica in self.store.holding_replicas() - live:
+        for holder in holders:
+            if holder_gone(holder, live):
+                await self._release_holder(holder)
+        self._evict_gone_replicas(live)
+
+    async def _live_names(self, max_age: float | None = None) -> set[str] | None:
+        at, live = self._live
+        if time.monotonic() - at > (LIVENESS_CACHE_S if max_age is None else max_age):
+            try:
+                live = await asyncio.to_thread(self._live_actors)  # a GCS call: off the event loop
+            except Exception as exc:  # noqa: BLE001 - no view of the cluster: only deadlines end claims
+                log.warning("could not list live actors: %s", exc)
+                live = None
+            self._live = (time.monotonic(), live)
+        return live
+
+    def _evict_gone_replicas(self, live: set[str]) -> None:
+        """A replica that died, or was drained on scale-down, holds nothing any more: its
+        conversations are evicted and re-prefill wherever their next turn lands."""
+        if self._app is None:
+            return
+        prefix = f"{SERVE_REPLICA_PREFIX}{self._app}#TargetWorker#"
+        running = {name[len(prefix):] for name in live if name.startswith(prefix)}
+        for replica in self.store.holding_replicas() - running:
             n = self.store.evict_replica(replica)
             log.info("replica %s is gone: %d conversations evicted (histories kept)", replica, n)
+
+    async def _release_holder(self, holder: str) -> None:
+        for conv in self.store.release_holder(holder):
+            log.info("%s is gone mid-turn: the claim on %s ended (history kept)", holder, conv.id)
+            await self._release(conv.id, conv.replica)
 
     async def _release(self, conversation_id: str, replica: str | None) -> None:
         if self.worker is None or replica is None:
@@ -65,28 +113,65 @@ class ConversationRouter:
 
     async def create(self, tenant: str, messages: list[dict]) -> dict:
         self._ensure_expiry_task()
-        return asdict(self.store.create(tenant, messages))
+        return _public(self.store.create(tenant, messages))
 
     async def get(self, tenant: str, conversation_id: str) -> dict:
-        return asdict(self.store.get(tenant, conversation_id))
-
-    async def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict]) -> dict:
         self._ensure_expiry_task()
-        return asdict(self.store.begin_turn(tenant, conversation_id, messages))
+        return _public(self.store.get(tenant, conversation_id))
+
+    async def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict], holder: str | None = None,
+                         idempotency_key: str | None = None, claim_s: float | None = None) -> dict:
+        """Append `messages` and claim the conversation for one turn.
+
+        holder: the calling replica (`turn_claims.holder_identity()`); its claim ends as
+            soon as the router finds it gone. claim_s: the claim's deadline from now, for a
+            holder that renews it (`renew_turn`); default: longer than any turn.
+        idempotency_key: a retry with the same key and messages appends nothing; when that
+            turn finished, the result's `replayed` holds its reply and finish reason (do not
+            generate), else the failed turn is claimed again."""
+        self._ensure_expiry_task()
+        begin = partial(self.store.begin_turn, tenant, conversation_id, messages, holder=holder,
+                        claim_s=_claim_s(claim_s), idempotency_key=idempotency_key)
+        try:
+            conv = begin()
+        except ConversationBusy:
+            # the turn's holder may be gone: killed mid-turn, or before a restart
+            if not await self._release_if_holder_gone(tenant, conversation_id):
+                raise
+            conv = begin()
+        return _public(conv, turn=True)
+
+    async def _release_if_holder_gone(self, tenant: str, conversation_id: str) -> bool:
+        conv = self.store.get(tenant, conversation_id)
+        if conv.state != GENERATING or conv.claim_holder is None:
+            return False
+        if not holder_gone(conv.claim_holder, await self._live_names()):
+            return False
+        # Gone in a cached view: look again before ending a claim (the holder may be newer).
+        if not holder_gone(conv.claim_holder, await self._live_names(max_age=0)):
+            return False
+        await self._release_holder(conv.claim_holder)
+        return True
+
+    async def renew_turn(self, tenant: str, conversation_id: str, version: int, claim_s: float | None = None) -> float:
+        """Push turn `version`'s claim deadline to `claim_s` from now (the new deadline).
+        ConversationBusy: the claim was lost; stop the turn."""
+        return self.store.renew_turn(tenant, conversation_id, version, _claim_s(claim_s))
 
     async def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
-                          lease_s: float | None) -> dict:
+                          lease_s: float | None, finish_reason: str | None = None) -> dict:
         lease = min(lease_s or self.args.default_lease_s, self.args.max_lease_s)
         previous = self.store.get(tenant, conversation_id).replica
-        conv = self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease)
+        conv = self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease, finish_reason)
         if previous is not None and previous != replica:  # the turn moved: unpin the old copy
             await self._release(conversation_id, previous)
-        return asdict(conv)
+        return _public(conv)
 
-    async def abandon_turn(self, tenant: str, conversation_id: str) -> None:
+    async def abandon_turn(self, tenant: str, conversation_id: str, version: int | None = None) -> None:
+        """End a failed turn; with `version`, only if that turn still holds the conversation."""
         previous = self.store.get(tenant, conversation_id).replica
-        self.store.abandon_turn(tenant, conversation_id)
-        await self._release(conversation_id, previous)
+        if self.store.abandon_turn(tenant, conversation_id, version):
+            await self._release(conversation_id, previous)
 
     async def delete(self, tenant: str, conversation_id: str) -> bool:
         conv = self.store.delete(tenant, conversation_id)
@@ -98,15 +183,18 @@ class ConversationRouter:
         return self.store.mark_evicted(conversation_ids, replica)
 
 
-def live_replicas(deployment: str) -> set[str] | None:
-    """Unique ids of this application's running replicas of `deployment` (None outside Serve)."""
-    try:
-        app = serve.get_replica_context().app_name
-    except Exception:  # noqa: BLE001 - not inside a Serve replica
-        return None
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+def _claim_s(claim_s: float | None) -> float:
+    return UNRENEWED_CLAIM_S if claim_s is None else min(max(claim_s, MIN_CLAIM_S), UNRENEWED_CLAIM_S)
+
+
+def _public(conv: Conversation, turn: bool = False) -> dict:
+    """What callers see: never the claim's holder (an internal actor name); `replayed` only
+    from begin_turn."""
+    out = asdict(conv)
+    del out["claim_holder"]
+    if not turn:
+        del out["replayed"]
+    return out
 
 
 ConversationRouterDeployment = serve.deployment(ConversationRouter, name="ConversationRouter", num_replicas=1)
