@@ -29,6 +29,7 @@ class Chunk:
     finish_reason: str | None = None
     stats: dict | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    error: str | None = None  # on the last chunk of a request that finished with "error": why
 
 
 class AsyncEngine:
@@ -110,7 +111,8 @@ class AsyncEngine:
                 seq = out.seq
                 new = out.new_token_ids
                 chunk = Chunk(new, seq.is_finished, seq.finish_reason, stats_dict(seq) if seq.is_finished else None,
-                              seq.logprobs[len(seq.logprobs) - len(new):] if seq.logprobs is not None else None)
+                              seq.logprobs[len(seq.logprobs) - len(new):] if seq.logprobs is not None else None,
+                              seq.error)
                 self._emit(seq.request_id, chunk, final=seq.is_finished)
 
     def _snapshot_leases(self) -> None:

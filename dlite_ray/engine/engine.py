@@ -18,7 +18,7 @@ from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTrans
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
-from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
+from dlite_ray.engine.sequence import FINISH_ABORT, InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.engine.stop_strings import StopStrings, text_before_stop
@@ -41,10 +41,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class GenerationResult:
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", or "error" (then `error` says why)
     stats: dict[str, Any] = field(default_factory=dict)
     trace: Trace | None = None  # with trace_top_k > 0
     logprobs: list[TokenLogprob] | None = None  # with logprobs set: one entry per token of token_ids
+    error: str | None = None  # with finish_reason "error": why the reply could not go on (its grammar failed)
 
 
 @dataclass(slots=True)
@@ -261,7 +262,7 @@ class DLiteEngine:
         self.scheduler.finish(seq)
         self._by_id.pop(seq.request_id, None)
         lease = self._lease_of.pop(seq.request_id, None)
-        if self.boundaries is not None and seq.finish_reason != "abort":
+        if self.boundaries is not None and seq.finish_reason != FINISH_ABORT:
             if seq.num_computed > len(seq.token_ids) - 1:
                 # stopped inside a round: drop the KV of drafts after the stop; the pivot
                 # features were for a later position, so the boundary keeps KV only
@@ -301,7 +302,8 @@ class DLiteEngine:
         target's top-k distribution at every output position). `logprobs` = n returns each
         output token's logprob and the n most likely tokens' (`engine/logprobs.py`).
         `json_schema` (a schema as JSON text) constrains every reply to JSON it accepts
-        (`engine/structured_output.py`).
+        (`engine/structured_output.py`); a reply whose grammar fails midway (a parser limit)
+        ends with finish_reason "error" and `GenerationResult.error` saying why.
         """
         batch = prompts if _is_batch(prompts) else [prompts]
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
@@ -327,7 +329,8 @@ class DLiteEngine:
 
     def result(self, seq: Sequence) -> GenerationResult:
         text = text_before_stop(self.decode_output(seq.output_ids), seq.params.stop)
-        return GenerationResult(text, seq.output_ids, seq.finish_reason, stats_dict(seq), seq.trace, seq.logprobs)
+        return GenerationResult(text, seq.output_ids, seq.finish_reason, stats_dict(seq), seq.trace, seq.logprobs,
+                                seq.error)
 
     def decode_output(self, ids: list[int]) -> str:
         """The text of output tokens (end-of-sequence tokens are not text)."""

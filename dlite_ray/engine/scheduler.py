@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dlite_ray.engine.block_manager import BlockManager
-from dlite_ray.engine.sequence import Sequence, Status
+from dlite_ray.engine.sequence import FINISH_ABORT, Sequence, Status
 
 
 @dataclass(slots=True)
@@ -58,7 +58,7 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    seq.finish("abort")
+                    seq.finish(FINISH_ABORT)
                     return seq
         return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -13,7 +14,7 @@ import torch
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.stop_strings import StopStrings
 from dlite_ray.engine.trace import Trace
-from dlite_ray.runtime.sampling import GREEDY, MATCH, REJECTION, VERIFY_MODES
+from dlite_ray.runtime.sampling import GREEDY, MATCH, MIN_TEMPERATURE, REJECTION, VERIFY_MODES
 
 if TYPE_CHECKING:
     from dlite_ray.engine.structured_output import OutputGrammar
@@ -23,8 +24,22 @@ class InvalidRequest(ValueError):
     """A request the engine refuses, with the reason."""
 
 
+# Why a sequence finished (Sequence.finish_reason): an end-of-sequence token, a stop token or
+# a stop string; the token budget; the caller gave up; or the request could not go on
+# (Sequence.error says why: its grammar failed mid-reply). Only "stop" ends a reply that
+# its grammar accepts.
+FINISH_STOP, FINISH_LENGTH, FINISH_ABORT, FINISH_ERROR = "stop", "length", "abort", "error"
+
+
 @dataclass(slots=True)
 class SamplingParams:
+    """How a request samples and when it stops.
+
+    temperature: 0 is greedy; so is any temperature below MIN_TEMPERATURE (runtime/sampling.py),
+    which is normalised to 0 here: dividing logits by less rounds them to inf in float32 (and
+    1e-300 is 0 there), and a distribution that peaked differs from greedy only on near ties.
+    """
+
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_k: int = 0
@@ -41,8 +56,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens <= 0:
             raise InvalidRequest(f"max_new_tokens must be > 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0  # greedy (see the class docstring)
         self.stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)  # one string is one stop
         if not all(isinstance(s, str) and s for s in self.stop):
             raise InvalidRequest(f"stop strings must be non-empty strings, got {self.stop!r}")
@@ -61,6 +78,15 @@ class SamplingParams:
             raise InvalidRequest(f"verify_mode must be one of {VERIFY_MODES}, got {self.verify_mode!r}")
         if self.verify_mode in (REJECTION, MATCH) and self.temperature == 0:
             self.verify_mode = GREEDY  # T = 0 has one answer; every mode reduces to greedy
+
+    @classmethod
+    def from_dict(cls, params: dict) -> SamplingParams:
+        """SamplingParams from a request's fields; InvalidRequest names any field it does not
+        have (such as n, logit_bias or a penalty): refused, never silently ignored."""
+        unknown = sorted(set(params) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise InvalidRequest(f"unsupported sampling parameters: {', '.join(unknown)}")
+        return cls(**params)
 
     @property
     def mode(self) -> str:
@@ -132,6 +158,7 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs set: an entry per output token
     stop_strings: StopStrings | None = None  # with params.stop: set by the engine, which holds the tokenizer
     grammar: OutputGrammar | None = None  # with params.grammar: set by the engine, likewise
+    error: str | None = None  # with finish_reason "error": why the request could not go on
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:
@@ -177,15 +204,20 @@ class Sequence:
             self.token_ids.append(tok)
             kept.append(tok)
             if (tok in eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
-                self.finish("stop")
+                self.finish(FINISH_STOP)
                 break
             if self.stop_strings is not None and self.stop_strings.completed_by_last(self.token_ids, self.num_prompt_tokens):
-                self.finish("stop")
+                self.finish(FINISH_STOP)
                 break
             if self.num_outputs >= self.params.max_new_tokens:
-                self.finish("length")
+                self.finish(FINISH_LENGTH)
                 break
         return kept
 
     def finish(self, reason: str) -> None:
         self.status, self.finish_reason = Status.FINISHED, reason
+
+    def fail(self, error: str) -> None:
+        """End the request as one that could not go on (finish_reason "error"), saying why."""
+        self.error = error
+        self.finish(FINISH_ERROR)

@@ -120,6 +120,8 @@ class SpecDecoder:
             kept = emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
             if seq.grammar is not None:
                 seq.grammar.advance(kept)
+                if seq.grammar.error is not None:  # a parser limit met mid-reply: not a "stop"
+                    seq.fail(f"the output grammar failed: {seq.grammar.error}")
             if seq.trace is not None:  # verify row m chose the m-th token kept
                 seq.trace.add(out.logits[:len(kept)], out.taps[:len(kept)] if out.taps is not None else None)
             if seq.logprobs is not None:

@@ -14,6 +14,14 @@ The matcher is llguidance's (an Earley parser over the tokenizer's byte trie; a 
 takes microseconds). Grammars travel as llguidance's serialised text. JSON separators are
 fixed to ", " and ": " with no other whitespace: with free whitespace a small model can pad
 a reply with blanks until its token budget runs out.
+
+A grammar can compile and still be one the matcher cannot follow: a $ref recursion that must
+go on forever, a pattern like ^a{1000000}$ whose lexer is too large to build, meet
+llguidance's parser and lexer limits once the reply reaches them. Most meet them on the
+reply's first token, so a request's grammar takes one token it allows on a copy of its
+matcher before the request is admitted, and one that fails there is refused
+(InvalidRequest). One that fails later ends its reply with finish_reason "error" and the
+reason in `Sequence.error`: never "stop", which promises a reply the grammar accepts.
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from dlite_ray.engine.sequence import InvalidRequest
 ANY_JSON_OBJECT = '{"type": "object"}'
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
+# default limits; errors name the limit met, without the parser's state or the grammar
+_LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+_MAX_REASON = 200  # characters of a matcher's error that a client is told
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +119,7 @@ def _lark_string(text: str) -> str:
 
 def checked(grammar: str, what: str) -> str:
     """`grammar`, once llguidance has compiled it; InvalidRequest with its error otherwise."""
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    error = llguidance.LLMatcher.validate_grammar(grammar, limits=_LIMITS)
     if error:
         raise InvalidRequest(f"{what} is not usable: {error}")
     return grammar
@@ -122,10 +133,16 @@ class GrammarTokenizer:
         self.ll = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
 
     def matcher(self, grammar: str) -> OutputGrammar:
-        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        """A request's grammar state; InvalidRequest when the grammar does not compile or
+        fails on the reply's first token (see the module docstring)."""
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0, limits=_LIMITS)
         if matcher.is_error():
-            raise InvalidRequest(f"the grammar is not usable: {matcher.get_error()}")
-        return OutputGrammar(matcher, self.vocab_size, self.eos_ids)
+            raise InvalidRequest(f"the grammar is not usable: {_reason(matcher)}")
+        out = OutputGrammar(matcher, self.vocab_size, self.eos_ids)
+        failure = out.first_token_failure()
+        if failure is not None:
+            raise InvalidRequest(f"the grammar cannot be followed (simplify the schema): {failure}")
+        return out
 
 
 class OutputGrammar:
@@ -133,6 +150,27 @@ class OutputGrammar:
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: tuple[int, ...]):
         self.matcher, self.vocab_size, self.eos_ids = matcher, vocab_size, eos_ids
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed on the committed reply (a parser or lexer limit), or None."""
+        return _reason(self.matcher) if self.matcher.is_error() else None
+
+    def first_token_failure(self) -> str | None:
+        """Why the grammar fails on the first token it allows, tried on a copy, or None.
+        Limits such as an endless forced recursion or an unbuildable lexeme are met on any
+        first token, so this is the request's admission check (a few ms at worst)."""
+        probe = self.matcher.deep_copy()
+        if probe.is_stopped():
+            return None
+        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
+        llguidance.torch.fill_next_token_bitmask(probe, bitmask, 0)
+        allowed = unpack_bitmask(bitmask[0], self.vocab_size)
+        allowed[list(self.eos_ids)] = False
+        first = allowed.nonzero().flatten()[:1].tolist()
+        if first:
+            probe.consume_token(first[0])
+        return _reason(probe) if probe.is_error() else None
 
     def allowed_rows(self, proposed: list[int]) -> torch.Tensor:
         """[m, V] bool for verify rows 0..m-1: what may follow the reply plus proposed[:row].
@@ -155,8 +193,6 @@ class OutputGrammar:
             bitmask[rows:] = bitmask[filled]
             rows = len(proposed) + 1
         if self.matcher.is_error():
-            if not before.is_error():
-                log.warning("the grammar failed (%s): the reply ends", self.matcher.get_error())
             self.matcher = before  # advance() meets the failure again if the token is kept
         else:
             self.matcher.rollback(filled)
@@ -173,13 +209,19 @@ class OutputGrammar:
         return self.matcher.compute_ff_tokens()[:limit]
 
     def advance(self, tokens: list[int]) -> None:
-        """Follow committed tokens (each was drawn from a masked row, so the grammar takes it)."""
+        """Follow committed tokens. Each was drawn from a masked row, so the grammar takes
+        it, unless taking it meets a parser limit: then `error` says so, and the reply ends."""
         for tok in tokens:
             if self.matcher.is_stopped():  # complete: only end-of-sequence was allowed, and the reply ends
                 return
             if not self.matcher.consume_token(tok):
-                log.warning("a committed token left the grammar: %s", self.matcher.get_error())
+                log.info("a reply's grammar failed: %s", self.error)
                 return
+
+
+def _reason(matcher: llguidance.LLMatcher) -> str:
+    """The first line of a matcher's error: what failed, not the parser's state."""
+    return matcher.get_error().strip().split("\n", 1)[0][:_MAX_REASON]
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

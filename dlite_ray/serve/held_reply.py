@@ -38,9 +38,10 @@ class HeldReply:
             return self._stop_holding()
         return "", []
 
-    def finish(self) -> tuple[str, list, list[ToolCall] | None]:
-        """At the end: the text still held and its entries, and the calls when that text is calls."""
-        calls = reply_calls(self._text, self.tools) if self._call_started else None
+    def finish(self, failed: bool = False) -> tuple[str, list, list[ToolCall] | None]:
+        """At the end: the text still held and its entries, and the calls when that text is
+        calls. A reply that `failed` (finish_reason "error") makes no calls: it is text."""
+        calls = reply_calls(self._text, self.tools) if self._call_started and not failed else None
         self.holding = False
         text, entries = self._release()
         return ("" if calls else text), entries, calls
@@ -58,13 +59,14 @@ class HeldReply:
 async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...]) -> AsyncIterator[dict]:
     """A reply's chunks with their text and logprob entries held back while the reply may
     become calls to `tools` (`raw_text` keeps each chunk's text as generated). The last chunk
-    carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text."""
+    carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text (and
+    for a reply that failed: its finish reason stays "error")."""
     held = HeldReply(tools)
     async for chunk in chunks:
         text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
         calls = None
         if chunk["finished"]:
-            rest, more, calls = held.finish()
+            rest, more, calls = held.finish(failed=chunk["finish_reason"] == "error")
             text, entries = text + rest, entries + more
         out = {**chunk, "text": text, "logprobs": entries, "tool_calls": calls, "raw_text": chunk["text"]}
         if calls:

@@ -54,9 +54,10 @@ def build_engine(args: EngineArgs) -> DLiteEngine:
 class TargetWorker:
     """Serve deployment body (decorated in app.py so YAML options apply)."""
 
-    def __init__(self, args: AppArgs):
+    def __init__(self, args: AppArgs, engine: DLiteEngine | None = None):
+        """engine: the one to serve (tests inject a small one); by default `build_engine(args.engine)`."""
         self.args = args
-        self.engine = build_engine(args.engine)
+        self.engine = engine if engine is not None else build_engine(args.engine)
         self.async_engine = AsyncEngine(self.engine)
         self.renderer = TokenRenderer(self.engine.tokenizer)
         try:
@@ -67,19 +68,22 @@ class TargetWorker:
 
     async def generate(self, prompt, params: dict, route_to: str | None = None, conversation: str | None = None,
                        prefix_key: str | None = None) -> AsyncIterator[dict]:
-        """Stream {token_ids, text, logprobs, finished, finish_reason, stats} chunks for one
-        request; `logprobs` (when params ask) has an OpenAI chat entry per visible token.
+        """Stream {token_ids, text, logprobs, finished, finish_reason, error, stats} chunks for
+        one request; `logprobs` (when params ask) has an OpenAI chat entry per visible token.
+        `error` is None except on the last chunk of a request that could not go on
+        (finish_reason "error": its grammar failed mid-reply), where it says why.
+        Unknown sampling parameters are refused (InvalidRequest names them).
 
         route_to / conversation / prefix_key steer the ConversationAffinityRouter; a
         conversation's KV stays pinned here after the reply (its lease), until
         `release_lease`. The last chunk names this replica and any conversations whose
         KV it had to give up under memory pressure."""
-        sampling = SamplingParams(**params)
+        sampling = SamplingParams.from_dict(params)
         text = TextStream(self.engine.decode_output, sampling.stop)
         async for chunk in self.async_engine.generate(prompt, sampling, lease=conversation):
             out = {"token_ids": chunk.token_ids, "text": text.push(chunk.token_ids, chunk.finished),
                    "logprobs": self._visible_logprobs(chunk), "finished": chunk.finished,
-                   "finish_reason": chunk.finish_reason, "stats": chunk.stats, "replica": None}
+                   "finish_reason": chunk.finish_reason, "error": chunk.error, "stats": chunk.stats, "replica": None}
             if chunk.finished:
                 out.update(replica=self.replica_id, evicted=self.async_engine.take_evicted_leases())
             yield out
