@@ -29,6 +29,15 @@ import torch
 GREEDY, REJECTION, MATCH = "greedy", "rejection", "match"
 VERIFY_MODES = (GREEDY, REJECTION, MATCH)
 
+# The lowest temperature that samples; below it a request is greedy (SamplingParams sets it
+# to 0). Logits are divided by T in float32: a T of 1e-45 (a denormal) or 1e-300 (0 in
+# float32) turns them into inf and the distribution into NaN. At T = 1e-5 logits of
+# magnitude <= 100 stay below 1e7, far from overflow, and a token 2e-4 below the top logit
+# keeps under e^-20 (2e-9) of its mass: a lower temperature would differ from greedy only on
+# ties closer than float32 logits resolve well. vLLM treats T < 1e-5 as greedy too (its
+# _SAMPLING_EPS).
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(slots=True)
 class RowSampling:
@@ -50,9 +59,11 @@ class RowSampling:
 def probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
     """logits [B, N, V] -> processed probabilities [B, N, V] (temperature, top-k, top-p).
 
-    Rows must have temperature > 0. The same function processes target p and draft q.
+    Rows should have temperature >= MIN_TEMPERATURE (below it requests are greedy); a lower
+    one is processed at the floor, so nothing divides into inf or NaN. The same function
+    processes target p and draft q.
     """
-    logits = logits.float() / s.temperature[:, None, None]
+    logits = logits.float() / s.temperature.clamp_min(MIN_TEMPERATURE)[:, None, None]
     vocab = logits.shape[-1]
     k = torch.where(s.top_k > 0, s.top_k.clamp(max=vocab), torch.full_like(s.top_k, vocab))
     sorted_logits, _ = logits.sort(dim=-1, descending=True)
