@@ -5,6 +5,7 @@ from __future__ import annotations
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs, EngineArgs
 from dlite_ray.serve.ingress import DLiteIngressDeployment
 from dlite_ray.serve.router import ConversationRouterDeployment
@@ -41,7 +42,20 @@ def build_app(args: AppArgs | dict) -> Application:
         worker_options["num_replicas"] = args.num_replicas
     worker = TargetWorkerDeployment.options(**worker_options).bind(args)
     router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, args)
-    return DLiteIngressDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, router, args)
+    return DLiteIngressDeployment.options(**ingress_options(args)).bind(worker, router, args)
+
+
+def ingress_options(args: AppArgs) -> dict:
+    """The ingress deployment's options. It must take every request its tenants may have in
+    flight, and then some: at Serve's default (5 ongoing requests) five streams of one tenant
+    queue every other tenant, health check and metrics scrape behind them, and the per-tenant
+    limit (429) never fires because the extra requests wait in Serve's queue instead."""
+    limits = args.limits
+    ongoing = limits.ingress_max_ongoing_requests
+    if ongoing is None:
+        tenants = KeyRing.load(args.api_keys_file, args.api_keys_env).num_tenants
+        ongoing = tenants * limits.max_in_flight_per_tenant + limits.ingress_headroom_requests
+    return {"ray_actor_options": {"num_cpus": 0}, "max_ongoing_requests": ongoing}
 
 
 def pair_gpu_share(engine: EngineArgs) -> float:

@@ -41,11 +41,30 @@ class LimitArgs(BaseModel):
 
     max_tokens_cap: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request names none")
-    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest HTTP body accepted")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="largest request accepted: an HTTP body's bytes, a "
+                                                             "gRPC message's serialized bytes (HTTP 413 / gRPC "
+                                                             "INVALID_ARGUMENT)")
     max_messages: int = Field(512, ge=1, description="most chat messages in one request")
+    max_message_chars: int = Field(
+        128 << 10, ge=1, description="most characters in one message's content (a tool result included); "
+                                     "checked before anything is tokenized (HTTP 413 / gRPC INVALID_ARGUMENT)")
+    max_prompt_chars: int = Field(
+        256 << 10, ge=1, description="most characters in one prompt: every message (the tools' schemas "
+                                     "included) or the completion prompt, and a conversation's stored history "
+                                     "with the messages a turn adds; checked before anything is tokenized, so "
+                                     "tokenizing one prompt stays short (HTTP 413 / gRPC INVALID_ARGUMENT)")
     max_in_flight_per_tenant: int = Field(
         8, ge=1, description="generation requests one tenant (API key) may have in flight at once, per ingress "
                              "replica; more get HTTP 429 / gRPC RESOURCE_EXHAUSTED")
+    ingress_max_ongoing_requests: int | None = Field(
+        None, ge=1, description="requests one ingress replica takes at once (every route and RPC; a stream for "
+                                "its whole length); Serve queues the rest in front of it, so too low a value "
+                                "lets one tenant's streams stall everyone. null = max_in_flight_per_tenant x "
+                                "the tenants with keys (1 without keys) + ingress_headroom_requests")
+    ingress_headroom_requests: int = Field(
+        32, ge=1, description="requests an ingress replica takes beyond its tenants' generation slots (when "
+                              "ingress_max_ongoing_requests is null): /healthz, /metrics, conversation reads, "
+                              "and the requests it refuses at once with 429")
 
 
 class ConversationArgs(BaseModel):
@@ -74,3 +93,13 @@ class AppArgs(BaseModel):
     routing_stats_period_s: float = Field(2.0, gt=0, description="how often TargetWorker replicas publish free KV "
                                           "and held conversations to the affinity router")
     accelerator_type: str | None = Field(None, description="e.g. H800: pin pairs to that GPU type")
+    ops_tenants: list[str] | None = Field(
+        None, description="tenants whose API keys may read operational figures (/metrics; GetStats' replica, KV "
+                          "and lease figures); null = any API key. Without keys configured they are open. "
+                          "/healthz (and GetStats without a key) only say ok or unavailable; /docs and "
+                          "/openapi.json are not served")
+    worker_probe_timeout_s: float = Field(
+        2.0, gt=0, description="how long /healthz, /metrics and GetStats wait for a TargetWorker's stats; a "
+                               "worker that does not answer in time reads as unavailable (HTTP 503 on /healthz)")
+    worker_probe_ttl_s: float = Field(
+        1.0, ge=0, description="how long one answer of the workers serves /healthz, /metrics and GetStats")

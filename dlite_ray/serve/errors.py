@@ -7,6 +7,8 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from dlite_ray.engine.sequence import InvalidRequest
 
+MAX_ERROR_CHARS = 1024
+
 
 class ServeError(Exception):
     http_status = 500
@@ -24,6 +26,12 @@ class PayloadTooLarge(ServeError):
 
 class Unauthenticated(ServeError):
     http_status, grpc_code, error_type = 401, grpc.StatusCode.UNAUTHENTICATED, "authentication_error"
+
+
+class Forbidden(ServeError):
+    """A valid key that may not use this endpoint (operational figures, when limited to some tenants)."""
+
+    http_status, grpc_code, error_type = 403, grpc.StatusCode.PERMISSION_DENIED, "permission_error"
 
 
 class ConversationNotFound(ServeError):
@@ -55,5 +63,12 @@ def as_serve_error(exc: Exception) -> ServeError:
     return ServeError("internal error")
 
 
+def error_message(err: ServeError) -> str:
+    """The message a client sees, cut to MAX_ERROR_CHARS: an error that quotes the request (an
+    id, a name) must not grow with it (gRPC status details travel in metadata, capped near 16 KB)."""
+    message = str(err)
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS - 3] + "..."
+
+
 def openai_error_body(err: ServeError) -> dict:
-    return {"error": {"message": str(err), "type": err.error_type, "code": err.http_status}}
+    return {"error": {"message": error_message(err), "type": err.error_type, "code": err.http_status}}

@@ -1,10 +1,16 @@
 """DLiteIngress: OpenAI-compatible HTTP (FastAPI) and the dlite.v1.DLiteService gRPC
 methods, in one deployment in front of the TargetWorker replicas and the
 ConversationRouter. Credentials and validation happen here, before anything reaches an
-engine; typed errors map once to status codes."""
+engine; typed errors map once to status codes.
+
+The ingress must never be where one client waits on another: its concurrency is sized to
+its tenants' limits (app.ingress_options), a tenant over its limit is refused at once,
+sizes are checked before any tokenizing, and parsing runs off the event loop. /healthz and
+/metrics ask the workers with a deadline (worker_probe); operational figures need a key."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -21,11 +27,14 @@ from ray.serve.handle import DeploymentHandle
 from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.errors import as_serve_error, openai_error_body
+from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, error_message, openai_error_body
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
+from dlite_ray.serve.proto_convert import proto_chunk, proto_conversation
+from dlite_ray.serve.request_limits import check_grpc_request, check_prompt_chars
+from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
 from dlite_ray.serve.requests import (
     ConversationTurn,
     ParsedRequest,
@@ -41,30 +50,46 @@ from dlite_ray.serve.requests import (
 )
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
 from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
+from dlite_ray.serve.worker_probe import WorkerProbe
 
 log = logging.getLogger(__name__)
-app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible")
+# no /docs, /redoc or /openapi.json: the API is documented in the repository, not served unauthenticated
+app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible",
+              docs_url=None, redoc_url=None, openapi_url=None)
 
 
 class DLiteIngress:
     def __init__(self, worker: DeploymentHandle, router: DeploymentHandle, args: AppArgs):
         self.worker, self.router, self.args = worker, router, args
         self.metrics = Metrics()
-        self.keys = KeyRing.load(args.api_keys_file, args.api_keys_env)
+        self.keys = KeyRing.load(args.api_keys_file, args.api_keys_env, args.ops_tenants)
         self.tenant_limits = TenantLimits(args.limits.max_in_flight_per_tenant)
+        self.probe = WorkerProbe(lambda: self.worker.stats.remote(), args.worker_probe_timeout_s,
+                                 args.worker_probe_ttl_s, registry=self.metrics.registry)
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/healthz")
-    async def healthz(self) -> dict:
-        return {"status": "ok"}
+    async def healthz(self) -> JSONResponse:
+        """Open to all, so it says only whether a TargetWorker answers (503 when none does)."""
+        if await self.probe.stats() is None:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "owned_by": "dlite-ray"}]}
 
     @app.get("/metrics")
-    async def prometheus(self) -> PlainTextResponse:
-        self.metrics.set_worker_stats(await self.worker.stats.remote())
+    async def prometheus(self, request: Request):
+        """Prometheus text; the worker figures are left as last seen when no worker answers
+        in time (dlite_worker_up 0)."""
+        try:
+            self.keys.ops_tenant(request.headers.get("authorization"))
+        except Exception as exc:  # noqa: BLE001
+            return self._error_response(exc)
+        stats = await self.probe.stats()
+        if stats is not None:
+            self.metrics.set_worker_stats(stats)
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
@@ -79,7 +104,7 @@ class DLiteIngress:
         slot: TenantSlot | None = None
         try:
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            parsed = parse(await self._json(request), self.args.limits)
+            parsed = await self._parse(request, parse)
             slot = self.tenant_limits.acquire(tenant)
             await self.worker.encode.remote(parsed.prompt)  # context-length errors before streaming starts
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
@@ -144,8 +169,11 @@ class DLiteIngress:
                 "created": int(time.time()), "model": self.args.model_name, "choices": choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    async def _json(self, request: Request) -> Any:
-        return decode_json_body(await request.body(), self.args.limits)
+    async def _parse(self, request: Request, parse) -> Any:
+        """The body through `decode_json_body` and `parse`, in a thread: a large body or schema
+        must not hold up the streams this event loop serves."""
+        raw = await _read_body(request, self.args.limits.max_body_bytes)
+        return await asyncio.to_thread(lambda: parse(decode_json_body(raw, self.args.limits), self.args.limits))
 
     async def _http_call(self, coro_fn):
         """Run a JSON endpoint; typed errors become OpenAI error bodies."""
@@ -163,7 +191,7 @@ class DLiteIngress:
     async def http_create_conversation(self, request: Request):
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            messages = parse_create_conversation(await self._json(request), self.args.limits)
+            messages = await self._parse(request, parse_create_conversation)
             return await self.router.create.remote(tenant, messages)
         return await self._http_call(go)
 
@@ -171,21 +199,22 @@ class DLiteIngress:
     async def http_get_conversation(self, conversation_id: str, request: Request):
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            return await self.router.get.remote(tenant, conversation_id)
+            return await self.router.get.remote(tenant, valid_conversation_id(conversation_id))
         return await self._http_call(go)
 
     @app.delete("/v1/conversations/{conversation_id}")
     async def http_delete_conversation(self, conversation_id: str, request: Request):
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            return {"deleted": await self.router.delete.remote(tenant, conversation_id)}
+            return {"deleted": await self.router.delete.remote(tenant, valid_conversation_id(conversation_id))}
         return await self._http_call(go)
 
     @app.post("/v1/conversations/{conversation_id}/messages")
     async def http_append_and_generate(self, conversation_id: str, request: Request):
         async def go():
             tenant = self.keys.tenant(request.headers.get("authorization"))
-            turn = parse_append(await self._json(request), self.args.limits)
+            valid_conversation_id(conversation_id)
+            turn = await self._parse(request, parse_append)
             text, finish, replica, stats, logprobs, calls = "", None, None, None, [], None
             with self.tenant_limits.acquire(tenant):
                 async for chunk in self._conversation_turn(tenant, conversation_id, turn):
@@ -206,6 +235,8 @@ class DLiteIngress:
         # A history that could never be served (over the context) is refused before anything
         # is appended, so a client's retry does not pile up copies of the same messages.
         current = await self.router.get.remote(tenant, conversation_id)
+        check_prompt_chars(current["messages"] + turn.new_messages, self.args.limits,
+                           "the conversation's history and this turn's messages")
         await self.worker.encode.remote(current["messages"] + turn.new_messages)
         conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages)
         text, replica, evicted, done = "", None, [], False
@@ -246,7 +277,7 @@ class DLiteIngress:
     async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
-            parsed = parse_grpc_generate(request, self.args.limits)
+            parsed = await asyncio.to_thread(parse_grpc_generate, request, self.args.limits)
             slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
@@ -255,33 +286,47 @@ class DLiteIngress:
             try:
                 await self.worker.encode.remote(parsed.prompt)
                 async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
-                    yield _proto_chunk(chunk)
+                    yield proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
 
     async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):
-        stats = await self.worker.stats.remote()
-        return dlite_pb2.ServerStats(json=json.dumps({"worker": stats, "ingress": self.metrics.snapshot()}))
+        """Without a key, liveness only (as /healthz); with one that may read operational
+        figures (ops_tenants), the worker's and the ingress's figures too."""
+        try:
+            check_grpc_request(request, self.args.limits)
+            authorization = _metadata(grpc_context).get("authorization")
+            full = authorization is not None or self.keys.is_local
+            if full:
+                self.keys.ops_tenant(authorization)
+            stats = await self.probe.stats()
+            body = {"status": "ok" if stats is not None else "unavailable"}
+            if full:
+                body |= {"worker": stats, "ingress": self.metrics.snapshot()}
+            return dlite_pb2.ServerStats(json=json.dumps(body))
+        except Exception as exc:  # noqa: BLE001
+            return self._grpc_fail(grpc_context, exc, dlite_pb2.ServerStats())
 
     async def CreateConversation(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
-            messages = parse_grpc_create(request, self.args.limits)
-            return _proto_conversation(await self.router.create.remote(tenant, messages))
+            messages = await asyncio.to_thread(parse_grpc_create, request, self.args.limits)
+            return proto_conversation(await self.router.create.remote(tenant, messages))
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
 
     async def GetConversation(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
-            return _proto_conversation(await self.router.get.remote(tenant, request.conversation_id))
+            cid = _grpc_conversation_id(request, self.args.limits)
+            return proto_conversation(await self.router.get.remote(tenant, cid))
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.Conversation())
 
     async def DeleteConversation(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
-            await self.router.delete.remote(tenant, request.conversation_id)
+            await self.router.delete.remote(tenant, _grpc_conversation_id(request, self.args.limits))
             return dlite_pb2.DeleteConversationResponse(deleted=True)
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.DeleteConversationResponse())
@@ -289,7 +334,8 @@ class DLiteIngress:
     async def AppendAndGenerate(self, request, grpc_context=None):
         try:
             tenant = self._grpc_tenant(grpc_context)
-            turn = parse_grpc_append(request, self.args.limits)
+            turn = await asyncio.to_thread(parse_grpc_append, request, self.args.limits)
+            valid_conversation_id(request.conversation_id)
             slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
@@ -297,26 +343,47 @@ class DLiteIngress:
         with slot:
             try:
                 async for chunk in self._conversation_turn(tenant, request.conversation_id, turn):
-                    yield _proto_chunk(chunk)
+                    yield proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
 
     def _grpc_tenant(self, context) -> str:
-        metadata = dict(context.invocation_metadata()) if context is not None else {}
-        return self.keys.tenant(metadata.get("authorization"))
+        return self.keys.tenant(_metadata(context).get("authorization"))
 
     def _grpc_fail(self, context, exc: Exception, empty):
         err = as_serve_error(_unwrap(exc))
         self.metrics.error(err)
         if context is not None:
             context.set_code(err.grpc_code)
-            context.set_details(str(err))
+            context.set_details(error_message(err))
         return empty
 
     def _grpc_error(self, context, exc: Exception) -> dlite_pb2.GenerateChunk:
         """The one chunk a failed stream yields (a stream that returns without yielding
         reaches the client as OK)."""
         return self._grpc_fail(context, exc, dlite_pb2.GenerateChunk(finish_reason="error"))
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) as soon as it passes `max_bytes`, before it is all in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds this server's max_body_bytes of {max_bytes}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise PayloadTooLarge(f"body of more than {max_bytes} bytes exceeds this server's max_body_bytes")
+    return bytes(body)
+
+
+def _metadata(context) -> dict:
+    return dict(context.invocation_metadata()) if context is not None else {}
+
+
+def _grpc_conversation_id(request, limits) -> str:
+    check_grpc_request(request, limits)
+    return valid_conversation_id(request.conversation_id)
 
 
 def _unwrap(exc: Exception) -> Exception:
@@ -348,42 +415,10 @@ def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict],
     return ({"content": entries}, text_offset) if chat else completion_logprobs(entries, text_offset)
 
 
-def _proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:
-    return dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
-                                   finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]),
-                                   logprobs=[_proto_logprob(e) for e in chunk.get("logprobs") or []],
-                                   tool_calls=[_proto_tool_call(c.openai()) for c in chunk.get("tool_calls") or []])
-
-
-def _proto_tool_call(call: dict) -> dlite_pb2.ToolCall:
-    return dlite_pb2.ToolCall(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])
-
-
-def _proto_logprob(entry: dict) -> dlite_pb2.TokenLogprob:
-    return dlite_pb2.TokenLogprob(token=entry["token"], logprob=entry["logprob"], bytes=bytes(entry["bytes"]),
-                                  top_logprobs=[_proto_logprob(t) for t in entry.get("top_logprobs", ())])
-
-
-def _proto_conversation(conv: dict) -> dlite_pb2.Conversation:
-    return dlite_pb2.Conversation(conversation_id=conv["id"], state=conv["state"], version=conv["version"],
-                                  messages=[dlite_pb2.Message(**m) for m in conv["messages"]])
-
-
 def _public_stats(stats: dict | None) -> dict:
     keys = ("mean_accept_length", "accept_lengths", "prefill_time", "decode_wall_time", "draft_time", "verify_time",
             "decode_tokens_per_second", "ttft", "cached_prompt_tokens")
     return {k: stats.get(k) for k in keys} if stats else {}
-
-
-def _proto_stats(stats: dict | None) -> dlite_pb2.Stats | None:
-    if not stats:
-        return None
-    return dlite_pb2.Stats(
-        accept_lengths=stats["accept_lengths"], mean_accept_length=stats["mean_accept_length"],
-        prefill_time=stats["prefill_time"], decode_wall_time=stats["decode_wall_time"],
-        draft_time=stats["draft_time"], verify_time=stats["verify_time"],
-        decode_tokens_per_second=stats["decode_tokens_per_second"], ttft=stats.get("ttft") or 0.0,
-        cached_prompt_tokens=stats.get("cached_prompt_tokens", 0), num_prompt_tokens=stats["num_prompt_tokens"])
 
 
 DLiteIngressDeployment = serve.deployment(serve.ingress(app)(DLiteIngress), name="DLiteIngress")

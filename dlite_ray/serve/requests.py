@@ -16,6 +16,12 @@ from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_calls, grammar_for_schema
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
+from dlite_ray.serve.request_limits import (
+    check_grpc_request,
+    check_message_chars,
+    check_prompt_chars,
+    refuse_not_implemented,
+)
 from dlite_ray.serve.tool_calls import Tool, ToolCall, render_tool_calls
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -78,7 +84,9 @@ def _messages_and_tools(body: dict, limits: LimitArgs) -> tuple[list[dict[str, s
     """`messages`, opened by a system message that offers the tools if any are offered."""
     messages = _messages(body.get("messages"), limits)
     tools = _offered_tools(body)
-    return ([_tools_message(body["tools"])] + messages if tools else messages), tools
+    messages = [_tools_message(body["tools"])] + messages if tools else messages
+    check_prompt_chars(messages, limits)
+    return messages, tools
 
 
 def _offered_tools(body: dict) -> tuple[Tool, ...]:
@@ -117,6 +125,7 @@ def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("'prompt' must be a non-empty string")
+    check_prompt_chars([{"content": prompt}], limits, "'prompt'")
     _text(prompt, "'prompt'")
     return ParsedRequest(prompt, sampling(body, limits, _completion_logprobs(body)), *_streaming(body))
 
@@ -157,6 +166,7 @@ def _logprob_count(value: Any, name: str) -> int:
 
 
 def sampling(body: dict, limits: LimitArgs, logprobs: int | None = None) -> SamplingParams:
+    refuse_not_implemented(body)
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
@@ -239,6 +249,7 @@ def _messages(raw: Any, limits: LimitArgs) -> list[dict[str, str]]:
         content = _text(content, f"messages[{i}].content")
         if role == "assistant" and m.get("tool_calls") is not None:
             content = "\n".join(filter(None, [content, _assistant_tool_calls(m["tool_calls"], i)]))
+        check_message_chars(content, f"messages[{i}].content", limits)
         out.append({"role": role, "content": content})
     return out
 
@@ -348,6 +359,7 @@ def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
         raise BadRequest("the body must be a JSON object")
     raw = body.get("messages")
     new = [] if raw is None or raw == [] else _messages(raw, limits)  # a turn may add nothing
+    check_prompt_chars(new, limits)
     lease = body.get("lease_seconds")
     if lease is not None and (_number(lease, "lease_seconds") <= 0):
         raise BadRequest("lease_seconds must be > 0")
@@ -358,6 +370,7 @@ def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
 
 def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     """A dlite.v1.GenerateRequest: chat messages if any, else the raw prompt."""
+    check_grpc_request(request, limits)
     body = _grpc_sampling_body(request)
     body["top_k"] = request.top_k
     if request.messages:
@@ -380,13 +393,16 @@ def _grpc_logprobs(request) -> int | None:
 
 def parse_grpc_create(request, limits: LimitArgs) -> list[dict[str, str]]:
     """A dlite.v1.CreateConversationRequest: the opening messages (and the tools they offer)."""
+    check_grpc_request(request, limits)
     body = {"messages": _grpc_messages(request.messages), "tools": _grpc_tools(request.tools)}
     return _messages_and_tools(body, limits)[0]
 
 
 def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
     """A dlite.v1.AppendRequest: new messages (optional), sampling, lease."""
+    check_grpc_request(request, limits)
     new = _messages(_grpc_messages(request.messages), limits) if request.messages else []
+    check_prompt_chars(new, limits)
     if request.lease_seconds < 0:
         raise BadRequest(f"lease_seconds must be >= 0 (0 = the server default), got {request.lease_seconds}")
     params = sampling(_grpc_sampling_body(request), limits, _grpc_logprobs(request))

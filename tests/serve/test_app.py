@@ -364,7 +364,7 @@ def test_structured_output_over_http_grpc_and_conversations(serve_app, tiny_serv
 def test_models_health_and_metrics(serve_app):
     assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
     assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]
-    metrics = requests.get(f"{URL}/metrics", timeout=30).text
+    metrics = requests.get(f"{URL}/metrics", headers=AUTH_A, timeout=30).text  # operational figures need a key
     assert "dlite_accept_length_bucket" in metrics and "dlite_kv_blocks_total" in metrics
 
 

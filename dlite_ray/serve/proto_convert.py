@@ -1,0 +1,37 @@
+"""Engine chunks and registry records as dlite.v1 messages (the gRPC side of the ingress)."""
+
+from __future__ import annotations
+
+from dlite_ray.serve.proto import dlite_pb2
+
+
+def proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:
+    return dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
+                                   finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]),
+                                   logprobs=[_proto_logprob(e) for e in chunk.get("logprobs") or []],
+                                   tool_calls=[_proto_tool_call(c.openai()) for c in chunk.get("tool_calls") or []])
+
+
+def _proto_tool_call(call: dict) -> dlite_pb2.ToolCall:
+    return dlite_pb2.ToolCall(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])
+
+
+def _proto_logprob(entry: dict) -> dlite_pb2.TokenLogprob:
+    return dlite_pb2.TokenLogprob(token=entry["token"], logprob=entry["logprob"], bytes=bytes(entry["bytes"]),
+                                  top_logprobs=[_proto_logprob(t) for t in entry.get("top_logprobs", ())])
+
+
+def proto_conversation(conv: dict) -> dlite_pb2.Conversation:
+    return dlite_pb2.Conversation(conversation_id=conv["id"], state=conv["state"], version=conv["version"],
+                                  messages=[dlite_pb2.Message(**m) for m in conv["messages"]])
+
+
+def _proto_stats(stats: dict | None) -> dlite_pb2.Stats | None:
+    if not stats:
+        return None
+    return dlite_pb2.Stats(
+        accept_lengths=stats["accept_lengths"], mean_accept_length=stats["mean_accept_length"],
+        prefill_time=stats["prefill_time"], decode_wall_time=stats["decode_wall_time"],
+        draft_time=stats["draft_time"], verify_time=stats["verify_time"],
+        decode_tokens_per_second=stats["decode_tokens_per_second"], ttft=stats.get("ttft") or 0.0,
+        cached_prompt_tokens=stats.get("cached_prompt_tokens", 0), num_prompt_tokens=stats["num_prompt_tokens"])
