@@ -131,7 +131,7 @@ def local_app(engine_args, tenants: int, limits: dict | None = None) -> Iterator
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT}, grpc_options={
                 "port": GRPC_PORT, "grpc_servicer_functions": [
-                    "dlite_ray.serve.proto.dlite_pb2_grpc.add_DLiteServiceServicer_to_server"]})
+                    "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
             args = AppArgs(engine=engine_args, api_keys_file=str(keys), limits=limits or {},
                            conversations={"store_path": str(Path(state) / "conversations.sqlite3")})
             serve.run(build_app(args), name="dlite", route_prefix="/")

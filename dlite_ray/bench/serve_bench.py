@@ -41,7 +41,7 @@ def run(args) -> dict:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT}, grpc_options={
         "port": GRPC_PORT, "grpc_servicer_functions": [
-            "dlite_ray.serve.proto.dlite_pb2_grpc.add_DLiteServiceServicer_to_server"]})
+            "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
     serve.run(build_app(AppArgs(engine=EngineArgs(disaggregated_draft=True))), name="dlite", route_prefix="/")
     worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
     while not worker.stats.remote().result()["draft_connected"]:

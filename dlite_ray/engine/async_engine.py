@@ -47,7 +47,9 @@ class AsyncEngine:
                        lease: str | None = None) -> AsyncIterator[Chunk]:
         """Stream a request's tokens; cancelling the consumer aborts the request. With
         `lease`, its KV stays pinned afterwards until `release_lease`."""
-        ids = self.engine.encode(prompt)  # validation errors surface here, in the caller
+        # validation errors surface here, in the caller; tokenizing a long prompt happens off
+        # the event loop, which streams every other request's tokens
+        ids = await asyncio.to_thread(self.engine.encode, prompt)
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
         done = asyncio.Event()

@@ -11,6 +11,8 @@ from dlite_ray.serve.ingress import DLiteIngressDeployment
 from dlite_ray.serve.router import ConversationRouterDeployment
 from dlite_ray.serve.target_worker import TargetWorkerDeployment
 
+ROUTER_MAX_ONGOING = 1000
+
 
 def build_app(args: AppArgs | dict) -> Application:
     """Ingress in front of TargetWorker pairs (target bundle + draft bundle each)."""
@@ -41,7 +43,10 @@ def build_app(args: AppArgs | dict) -> Application:
     else:
         worker_options["num_replicas"] = args.num_replicas
     worker = TargetWorkerDeployment.options(**worker_options).bind(args)
-    router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0}).bind(worker, args)
+    # The router's calls are short and never wait on generation: Serve's default of 5 at a
+    # time would queue one tenant's conversation flood in front of everyone's turns.
+    router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0},
+                                                  max_ongoing_requests=ROUTER_MAX_ONGOING).bind(worker, args)
     return DLiteIngressDeployment.options(**ingress_options(args)).bind(worker, router, args)
 
 

@@ -46,6 +46,14 @@ class Overloaded(ServeError):
     http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
 
 
+class OutputFailed(ServeError):
+    """The reply could not go on under the request's output grammar (a schema or tool call
+    too complex for the matcher, found mid-reply): an error, never a "stop" that would
+    claim the reply is JSON the schema accepts."""
+
+    http_status, grpc_code, error_type = 422, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
+
+
 class ReplicaUnavailable(ServeError):
     """The replica serving the request died or was drained mid-request: retry (a
     conversation's next turn re-prefills elsewhere from its durable history)."""

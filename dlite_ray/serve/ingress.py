@@ -27,13 +27,13 @@ from ray.serve.handle import DeploymentHandle
 from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, error_message, openai_error_body
+from dlite_ray.serve.errors import OutputFailed, PayloadTooLarge, as_serve_error, error_message, openai_error_body
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.proto_convert import proto_chunk, proto_conversation
-from dlite_ray.serve.request_limits import check_grpc_request, check_prompt_chars
+from dlite_ray.serve.request_limits import check_grpc_request, check_prompt_chars, idempotency_key
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
 from dlite_ray.serve.requests import (
     ConversationTurn,
@@ -50,6 +50,7 @@ from dlite_ray.serve.requests import (
 )
 from dlite_ray.serve.tenant_limits import TenantLimits, TenantSlot
 from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
+from dlite_ray.serve.turn_claims import RENEWED_CLAIM_S, holder_identity, renewed, replay_chunk
 from dlite_ray.serve.worker_probe import WorkerProbe
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class DLiteIngress:
         self.tenant_limits = TenantLimits(args.limits.max_in_flight_per_tenant)
         self.probe = WorkerProbe(lambda: self.worker.stats.remote(), args.worker_probe_timeout_s,
                                  args.worker_probe_ttl_s, registry=self.metrics.registry)
+        self.holder = holder_identity()  # who holds a conversation's turn: this replica
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/healthz")
@@ -216,8 +218,9 @@ class DLiteIngress:
             valid_conversation_id(conversation_id)
             turn = await self._parse(request, parse_append)
             text, finish, replica, stats, logprobs, calls = "", None, None, None, [], None
+            key = idempotency_key(request.headers.get("idempotency-key"))
             with self.tenant_limits.acquire(tenant):
-                async for chunk in self._conversation_turn(tenant, conversation_id, turn):
+                async for chunk in self._conversation_turn(tenant, conversation_id, turn, key):
                     text += chunk["text"]
                     finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
                     stats, calls = chunk["stats"] or stats, chunk["tool_calls"] or calls
@@ -227,39 +230,53 @@ class DLiteIngress:
                     "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
         return await self._http_call(go)
 
-    async def _conversation_turn(self, tenant: str, conversation_id: str,
-                                 turn: ConversationTurn) -> AsyncIterator[dict]:
+    async def _conversation_turn(self, tenant: str, conversation_id: str, turn: ConversationTurn,
+                                 idempotency_key: str | None = None) -> AsyncIterator[dict]:
         """Claim the conversation, generate from its whole history, store the reply, pause.
         The history's KV and boundary features stay cached on the replica that made them;
-        a miss re-prefills from the durable history (slower, never wrong)."""
+        a miss re-prefills from the durable history (slower, never wrong). The claim names
+        this replica and is renewed while the reply streams, so a turn whose ingress dies
+        frees the conversation (turn_claims.py); a retry with the same idempotency key
+        replays the stored reply instead of appending the turn twice."""
         # A history that could never be served (over the context) is refused before anything
         # is appended, so a client's retry does not pile up copies of the same messages.
         current = await self.router.get.remote(tenant, conversation_id)
-        check_prompt_chars(current["messages"] + turn.new_messages, self.args.limits,
+        pending = turn.new_messages
+        if idempotency_key and current["messages"][-len(pending):] == pending:
+            pending = []  # a retry: its messages are in the history already
+        check_prompt_chars(current["messages"] + pending, self.args.limits,
                            "the conversation's history and this turn's messages")
-        await self.worker.encode.remote(current["messages"] + turn.new_messages)
-        conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages)
-        text, replica, evicted, done = "", None, [], False
+        await self.worker.encode.remote(current["messages"] + pending)
+        conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages, holder=self.holder,
+                                                   idempotency_key=idempotency_key, claim_s=RENEWED_CLAIM_S)
+        if conv.get("replayed") is not None:  # finished before: the stored reply, nothing generated
+            async for chunk in held_for_tool_calls(_one(replay_chunk(conv["replayed"])), tools_in(conv["messages"])):
+                yield chunk
+            return
+        version = conv["version"]
+        text, replica, evicted, done, finish = "", None, [], False, None
         try:
             # to the replica that holds this conversation's KV (the affinity router falls
             # back to load when it is gone); the reply's KV stays pinned there (the lease)
-            chunks = self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
-                                    conversation=conversation_id)
+            chunks = renewed(self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
+                                            conversation=conversation_id),
+                             lambda: self.router.renew_turn.remote(tenant, conversation_id, version, RENEWED_CLAIM_S))
             async for chunk in held_for_tool_calls(chunks, tools_in(conv["messages"])):
                 text += chunk["raw_text"]  # the history keeps calls as the model wrote them
                 replica = chunk.get("replica") or replica
                 evicted = chunk.get("evicted") or evicted
+                finish = chunk["finish_reason"] or finish
                 done = done or chunk["finished"]
                 yield chunk
         finally:
             if done:
-                await self.router.finish_turn.remote(tenant, conversation_id, conv["version"], text, replica,
-                                                 turn.lease_s)
+                await self.router.finish_turn.remote(tenant, conversation_id, version, text, replica, turn.lease_s,
+                                                     finish_reason=finish)
                 evicted = [c for c in evicted if c != conversation_id]  # this reply pinned it again
                 if evicted:
                     await self.router.mark_evicted.remote(evicted, replica)
             else:
-                await self.router.abandon_turn.remote(tenant, conversation_id)
+                await self.router.abandon_turn.remote(tenant, conversation_id, version=version)
 
     async def _generate(self, parsed: ParsedRequest, route_to: str | None = None,
                         conversation: str | None = None) -> AsyncIterator[dict]:
@@ -271,6 +288,8 @@ class DLiteIngress:
         async for chunk in stream:
             if chunk["finished"]:
                 self.metrics.finished(chunk["stats"] or {}, time.perf_counter() - started)
+                if chunk.get("error"):  # finish_reason "error": the output grammar failed mid-reply
+                    raise OutputFailed(chunk["error"])
             yield chunk
 
     # -- gRPC (method names = RPC names) --------------------------------------------------------
@@ -336,13 +355,14 @@ class DLiteIngress:
             tenant = self._grpc_tenant(grpc_context)
             turn = await asyncio.to_thread(parse_grpc_append, request, self.args.limits)
             valid_conversation_id(request.conversation_id)
+            key = idempotency_key(_metadata(grpc_context).get("idempotency-key"))
             slot = self.tenant_limits.acquire(tenant)
         except Exception as exc:  # noqa: BLE001
             yield self._grpc_error(grpc_context, exc)
             return
         with slot:
             try:
-                async for chunk in self._conversation_turn(tenant, request.conversation_id, turn):
+                async for chunk in self._conversation_turn(tenant, request.conversation_id, turn, key):
                     yield proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
@@ -375,6 +395,10 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         if len(body) > max_bytes:
             raise PayloadTooLarge(f"body of more than {max_bytes} bytes exceeds this server's max_body_bytes")
     return bytes(body)
+
+
+async def _one(chunk: dict) -> AsyncIterator[dict]:
+    yield chunk
 
 
 def _metadata(context) -> dict:

@@ -17,6 +17,7 @@ from typing import Any
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
 from dlite_ray.serve.grpc_service import MalformedRequest
+from dlite_ray.serve.turn_claims import MAX_IDEMPOTENCY_KEY_CHARS
 
 # ids are secrets.token_urlsafe(18): 24 characters of this alphabet
 CONVERSATION_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -54,6 +55,16 @@ def conversation_id(raw: Any) -> str:
     """An id as the server makes them, else BadRequest (which never quotes the id)."""
     if not isinstance(raw, str) or not CONVERSATION_ID.fullmatch(raw):
         raise BadRequest("conversation_id must be 1 to 64 characters of A-Z, a-z, 0-9, '_' and '-'")
+    return raw
+
+
+def idempotency_key(raw: str | None) -> str | None:
+    """A turn's Idempotency-Key (HTTP header; gRPC metadata `idempotency-key`): printable
+    ASCII, at most MAX_IDEMPOTENCY_KEY_CHARS; None when the client sent none."""
+    if raw is None or raw == "":
+        return None
+    if len(raw) > MAX_IDEMPOTENCY_KEY_CHARS or not raw.isascii() or not raw.isprintable():
+        raise BadRequest(f"an idempotency key is 1 to {MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters")
     return raw
 
 

@@ -3,6 +3,7 @@ plus its DraftWorker on the second bundle of the replica's placement group."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -109,7 +110,7 @@ class TargetWorker:
                 "running": stats["running"] + stats["waiting"], "leases": list(self.async_engine.held_leases)}
 
     async def encode(self, prompt) -> list[int]:
-        return self.engine.encode(prompt)
+        return await asyncio.to_thread(self.engine.encode, prompt)  # off the loop that streams replies
 
     async def stats(self, route_to: str | None = None) -> dict:
         """This replica's engine figures (`route_to` asks for a given replica)."""

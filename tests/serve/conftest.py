@@ -49,7 +49,7 @@ def serve_app(tiny_serving_model, tmp_path_factory):
     ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
                 grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [
-                    "dlite_ray.serve.proto.dlite_pb2_grpc.add_DLiteServiceServicer_to_server"]})
+                    "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
     root = tmp_path_factory.mktemp("serve-state")
     (root / "keys").write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     args = AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=True,

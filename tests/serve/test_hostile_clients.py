@@ -45,6 +45,10 @@ class FakeWorker:
 
     async def generate(self, prompt, params: dict, route_to=None, conversation=None, prefix_key=None):
         yield _chunk("x", finished=False)
+        if "grammar fails" in json.dumps(prompt):  # as the worker ends a reply whose grammar failed
+            yield {**_chunk('"', finished=True), "finish_reason": "error",
+                   "error": "the output grammar failed: lexer error: too many expressions constructed"}
+            return
         if "hold" in json.dumps(prompt):
             self.holding += 1
             try:
@@ -280,3 +284,42 @@ def test_unimplemented_fields_are_refused_and_the_bearer_scheme_is_case_insensit
         assert r.status_code == 400 and f"{field}=" in r.json()["error"]["message"], r.text
     assert _chat(QUICK, AUTH_A, n=1, presence_penalty=0, frequency_penalty=0).status_code == 200
     assert _chat(QUICK, {"authorization": "bearer key-a"}).status_code == 200
+
+
+GRAMMAR_FAILS = [{"role": "user", "content": "grammar fails"}]
+
+
+def test_a_grammar_that_fails_mid_reply_is_an_error_never_a_stop(fake_worker):
+    whole = _chat(GRAMMAR_FAILS, AUTH_A)
+    assert whole.status_code == 422 and "grammar failed" in whole.json()["error"]["message"]
+    stream = requests.post(f"{URL}/v1/chat/completions", json={"messages": GRAMMAR_FAILS, "stream": True},
+                           headers=AUTH_A, stream=True, timeout=HANG_GUARD_S)
+    events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith(b"data: {")]
+    assert "grammar failed" in events[-1]["error"]["message"]
+    assert all(c["finish_reason"] in (None, "error") for e in events[:-1] for c in e["choices"])
+    assert not any(c["finish_reason"] == "stop" for e in events[:-1] for c in e["choices"])
+    stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
+    request = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in GRAMMAR_FAILS], max_tokens=4)
+    with pytest.raises(grpc.RpcError) as failed:
+        list(stub.Generate(request, metadata=GRPC_A, timeout=HANG_GUARD_S))
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar failed" in failed.value.details()
+
+
+def test_a_turn_retried_with_its_idempotency_key_is_stored_once(fake_worker):
+    created = requests.post(f"{URL}/v1/conversations", json={"messages": [{"role": "system", "content": "s"}]},
+                            headers=AUTH_A, timeout=HANG_GUARD_S).json()
+    turn_url = f"{URL}/v1/conversations/{created['id']}/messages"
+    body = {"messages": QUICK, "max_tokens": 4}
+    keyed = {**AUTH_A, "idempotency-key": "turn-1"}
+    first = requests.post(turn_url, json=body, headers=keyed, timeout=HANG_GUARD_S)
+    again = requests.post(turn_url, json=body, headers=keyed, timeout=HANG_GUARD_S)
+    assert first.status_code == again.status_code == 200
+    assert again.json()["message"]["content"] == first.json()["message"]["content"] == "xy"
+    history = requests.get(f"{URL}/v1/conversations/{created['id']}", headers=AUTH_A,
+                           timeout=HANG_GUARD_S).json()["messages"]
+    assert [m["role"] for m in history] == ["system", "user", "assistant"]
+    other = requests.post(turn_url, json={"messages": [{"role": "user", "content": "else"}]},
+                          headers=keyed, timeout=HANG_GUARD_S)
+    assert other.status_code == 400  # the same key for other messages
+    bad = requests.post(turn_url, json=body, headers={**AUTH_A, "idempotency-key": "k" * 300}, timeout=HANG_GUARD_S)
+    assert bad.status_code == 400

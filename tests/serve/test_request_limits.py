@@ -117,7 +117,7 @@ def test_operational_figures_need_a_key_and_may_be_kept_to_some_tenants():
 
 
 def test_the_ingress_takes_what_its_tenants_may_have_in_flight(tmp_path):
-    from dlite_ray.serve.app import build_app, ingress_options
+    from dlite_ray.serve.app import ROUTER_MAX_ONGOING, build_app, ingress_options
 
     keys = tmp_path / "keys"
     keys.write_text("k1 t1\nk2 t2\nk3 t2\nk4 t3\n")
@@ -127,6 +127,8 @@ def test_the_ingress_takes_what_its_tenants_may_have_in_flight(tmp_path):
     assert ingress_options(args)["max_ongoing_requests"] == 7
     app = build_app(AppArgs(api_keys_env=None, limits={"max_in_flight_per_tenant": 4}))
     assert app._bound_deployment._deployment_config.max_ongoing_requests == 4 + 32  # local mode: one tenant
+    router = app._bound_deployment.init_args[1]._bound_deployment  # (worker, router, args)
+    assert router._deployment_config.max_ongoing_requests == ROUTER_MAX_ONGOING  # not Serve's 5
 
 
 # -- the worker probe ----------------------------------------------------------------------------
