@@ -94,6 +94,29 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--out", default="runs/loadtest")
 
+    sk = sub.add_parser("soak", help="the load test for long, with an abusive tenant and faults on a schedule")
+    sk.add_argument("--solo-s", type=float, default=120.0, help="tenant B alone first, for its baseline latency")
+    sk.add_argument("--duration-s", type=float, default=600.0, help="the soak: B, the abusive A and the faults")
+    sk.add_argument("--fault-period-s", type=float, default=100.0, help="one fault this often (the first at half)")
+    sk.add_argument("--faults", default="draft,target_worker,ingress,router", help="the kinds, in cycling order")
+    sk.add_argument("--clients", type=int, default=3, help="tenant B's clients (the load test's mix)")
+    sk.add_argument("--abusers", type=int, default=2, help="tenant A's threads")
+    sk.add_argument("--flood-width", type=int, default=12, help="requests one abuser sends at once in a flood")
+    sk.add_argument("--abuse-max-tokens", type=int, default=64, help="max_tokens of A's generation requests")
+    sk.add_argument("--max-tokens", type=int, default=16, help="max_tokens of B's requests")
+    sk.add_argument("--turns", type=int, default=3, help="assistant replies per tool loop")
+    sk.add_argument("--one-shot-fraction", type=float, default=0.5)
+    sk.add_argument("--sampled-fraction", type=float, default=0.2, help="B's one-shot requests at T > 0 (not verified)")
+    sk.add_argument("--tenant-limit", type=int, default=4, help="the app's max_in_flight_per_tenant")
+    sk.add_argument("--retry-window-s", type=float, default=120.0, help="how long B retries a failed request")
+    sk.add_argument("--request-timeout-s", type=float, default=120.0)
+    sk.add_argument("--max-p99-ratio", type=float, default=2.0, help="B's p99 latency, soak over solo, at most")
+    sk.add_argument("--target", default=None, help="the served target, also the reference (default: embedded)")
+    sk.add_argument("--draft", default="default")
+    sk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sk.add_argument("--seed", type=int, default=0)
+    sk.add_argument("--out", default="runs/soak", help="the report goes to OUT/soak.json")
+
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
     from dlite_ray.training.cli_args import add_draft_vocab_args, add_train_args  # keeps --help fast
 
@@ -207,6 +230,12 @@ def cmd_loadtest(args) -> int:
                      or report["greedy"]["mismatches"]) else 1
 
 
+def cmd_soak(args) -> int:
+    from dlite_ray.bench.soak import run
+
+    return 0 if run(args)["verdict"]["pass"] else 1
+
+
 def cmd_train(args) -> int:
     from dlite_ray.training.pipeline import run
 
@@ -246,7 +275,7 @@ def cmd_gpu_check(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup, "loadtest": cmd_loadtest,
-            "train": cmd_train, "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
+            "soak": cmd_soak, "train": cmd_train, "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":
     sys.exit(main())
