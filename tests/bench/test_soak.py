@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from dlite_ray.bench.loadtest_client import LoadTestConfig, Record, _HttpStatus
-from dlite_ray.bench.soak import (
+from dlite_ray.bench.soak import SoakConfig
+from dlite_ray.bench.soak_abuser import AbuseOutcome, summarize_abuse
+from dlite_ray.bench.soak_client import (
     SETTLE,
     SOAK,
     SOLO,
@@ -20,15 +22,12 @@ from dlite_ray.bench.soak import (
     PendingTurn,
     RetryPolicy,
     SoakClient,
-    SoakConfig,
     claim_bound_s,
-    format_summary,
     history_matches,
     probe_outcome,
-    summarize_soak,
 )
-from dlite_ray.bench.soak_abuser import AbuseOutcome, summarize_abuse
 from dlite_ray.bench.soak_faults import FAULT_KINDS, FaultEvent, FaultInjector, fault_windows, overlaps, plan_faults
+from dlite_ray.bench.soak_report import format_summary, summarize_soak
 
 SYS = {"role": "system", "content": "tools"}
 USER = {"role": "user", "content": "hi"}
