@@ -53,6 +53,10 @@ class OutputFailed(ServeError):
 
     http_status, grpc_code, error_type = 422, grpc.StatusCode.INVALID_ARGUMENT, "invalid_request_error"
 
+    def __init__(self, message: str, replica: str | None = None):
+        super().__init__(message)
+        self.replica = replica  # where the failed reply ran (its KV is pinned there under a lease)
+
 
 class ReplicaUnavailable(ServeError):
     """The replica serving the request died or was drained mid-request: retry (a

@@ -254,13 +254,13 @@ class DLiteIngress:
                 yield chunk
             return
         version = conv["version"]
-        text, replica, evicted, done, finish = "", None, [], False, None
+        text, replica, evicted, done, finish, failed_on = "", None, [], False, None, None
+        # to the replica that holds this conversation's KV (the affinity router falls back
+        # to load when it is gone); the reply's KV stays pinned there (the lease)
+        chunks = renewed(self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
+                                        conversation=conversation_id),
+                         lambda: self.router.renew_turn.remote(tenant, conversation_id, version, RENEWED_CLAIM_S))
         try:
-            # to the replica that holds this conversation's KV (the affinity router falls
-            # back to load when it is gone); the reply's KV stays pinned there (the lease)
-            chunks = renewed(self._generate(ParsedRequest(conv["messages"], turn.params), route_to=conv["replica"],
-                                            conversation=conversation_id),
-                             lambda: self.router.renew_turn.remote(tenant, conversation_id, version, RENEWED_CLAIM_S))
             async for chunk in held_for_tool_calls(chunks, tools_in(conv["messages"])):
                 text += chunk["raw_text"]  # the history keeps calls as the model wrote them
                 replica = chunk.get("replica") or replica
@@ -268,7 +268,13 @@ class DLiteIngress:
                 finish = chunk["finish_reason"] or finish
                 done = done or chunk["finished"]
                 yield chunk
+        except OutputFailed as exc:
+            failed_on = exc.replica  # the engine finished that reply: its KV stays pinned there
+            raise
         finally:
+            await chunks.aclose()  # no renewal may land after the turn ends (it would claim it again)
+            if failed_on is not None:
+                await self.worker.release_lease.remote(conversation_id, route_to=failed_on, strict=False)
             if done:
                 await self.router.finish_turn.remote(tenant, conversation_id, version, text, replica, turn.lease_s,
                                                      finish_reason=finish)
@@ -289,7 +295,7 @@ class DLiteIngress:
             if chunk["finished"]:
                 self.metrics.finished(chunk["stats"] or {}, time.perf_counter() - started)
                 if chunk.get("error"):  # finish_reason "error": the output grammar failed mid-reply
-                    raise OutputFailed(chunk["error"])
+                    raise OutputFailed(chunk["error"], chunk.get("replica"))
             yield chunk
 
     # -- gRPC (method names = RPC names) --------------------------------------------------------

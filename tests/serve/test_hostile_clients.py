@@ -38,6 +38,7 @@ class FakeWorker:
         self.silent = False
         self.encoded = 0
         self.holding = 0
+        self.released_leases: list[str] = []
 
     async def encode(self, prompt) -> list[int]:
         self.encoded += 1
@@ -45,7 +46,8 @@ class FakeWorker:
 
     async def generate(self, prompt, params: dict, route_to=None, conversation=None, prefix_key=None):
         yield _chunk("x", finished=False)
-        if "grammar fails" in json.dumps(prompt):  # as the worker ends a reply whose grammar failed
+        if isinstance(prompt, list) and prompt[-1].get("content") == "grammar fails":  # as the worker ends a
+            # reply whose grammar failed
             yield {**_chunk('"', finished=True), "finish_reason": "error",
                    "error": "the output grammar failed: lexer error: too many expressions constructed"}
             return
@@ -64,7 +66,11 @@ class FakeWorker:
                 "replica": "fake-replica", "draft_connected": True, "draft_restarts": 0, "draft_comm_time_s": 0.0}
 
     async def release_lease(self, conversation, route_to=None, strict=True) -> str:
+        self.released_leases.append(conversation)
         return "fake-replica"
+
+    async def leases_released(self) -> list[str]:
+        return self.released_leases
 
     async def counts(self) -> dict:
         return {"encoded": self.encoded, "holding": self.holding}
@@ -323,3 +329,17 @@ def test_a_turn_retried_with_its_idempotency_key_is_stored_once(fake_worker):
     assert other.status_code == 400  # the same key for other messages
     bad = requests.post(turn_url, json=body, headers={**AUTH_A, "idempotency-key": "k" * 300}, timeout=HANG_GUARD_S)
     assert bad.status_code == 400
+
+
+def test_a_turn_whose_grammar_failed_frees_its_kv_and_its_conversation(fake_worker):
+    """The engine finished that reply, so its KV sits pinned under the conversation's lease
+    on the replica that ran it: the ingress releases it, and the conversation takes turns."""
+    created = requests.post(f"{URL}/v1/conversations", json={"messages": [{"role": "system", "content": "s"}]},
+                            headers=AUTH_A, timeout=HANG_GUARD_S).json()
+    turn_url = f"{URL}/v1/conversations/{created['id']}/messages"
+    failed = requests.post(turn_url, json={"messages": GRAMMAR_FAILS, "max_tokens": 4}, headers=AUTH_A,
+                           timeout=HANG_GUARD_S)
+    assert failed.status_code == 422
+    assert created["id"] in fake_worker.leases_released.remote().result()
+    again = requests.post(turn_url, json={"messages": QUICK, "max_tokens": 4}, headers=AUTH_A, timeout=HANG_GUARD_S)
+    assert again.status_code == 200
