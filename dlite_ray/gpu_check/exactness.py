@@ -78,8 +78,8 @@ def greedy_equality(target: TargetModel, draft: DLiteDraftModel, batch: int, len
         "draft_equal": all(a.token_ids == b.token_ids for a, b in zip(plain, drafted)),
         "oracle_equal": all(a.token_ids == b.token_ids for a, b in zip(plain, oracle)),
         "first_divergence": _first_divergence(plain, drafted + oracle),
-        "draft_mean_accept_length": _mean_accept(drafted),
-        "oracle_mean_accept_length": _mean_accept(oracle),
+        "draft_mean_accept_length": mean_accept_length(drafted),
+        "oracle_mean_accept_length": mean_accept_length(oracle),
     }
 
 
@@ -95,7 +95,7 @@ def _first_divergence(plain, others) -> int | None:
     return found
 
 
-def _mean_accept(results) -> float:
+def mean_accept_length(results) -> float:
     lengths = [a for r in results for a in r.stats["accept_lengths"]]
     return sum(lengths) / max(len(lengths), 1)
 

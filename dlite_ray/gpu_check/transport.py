@@ -12,7 +12,7 @@ import torch
 
 from dlite_ray.engine.draft_transport import DraftRequest, InProcessDraftTransport
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.gpu_check.exactness import IdTokenizer, ragged_prompts
+from dlite_ray.gpu_check.exactness import IdTokenizer, mean_accept_length, ragged_prompts
 from dlite_ray.gpu_check.random_models import draft_in_child
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.sampling import RowSampling
@@ -64,9 +64,7 @@ def _killed_draft_drill(target, link, handle, prompt_lengths: list[int], new_tok
     return {"killed_draft_greedy_equal": all(a.token_ids == b.token_ids for a, b in zip(plain, paired)),
             "drill_s": generated - started, "restarts": link.restarts, "reconnected": reconnected,
             "reconnect_s": time.perf_counter() - started,
-            "round_timeout_s": ROUND_TIMEOUT_S,
-            "mean_accept_length": sum(a for r in paired for a in r.stats["accept_lengths"])
-            / max(sum(len(r.stats["accept_lengths"]) for r in paired), 1)}
+            "round_timeout_s": ROUND_TIMEOUT_S, "mean_accept_length": mean_accept_length(paired)}
 
 
 def _request(draft: DLiteDraftModel, batch: int) -> DraftRequest:

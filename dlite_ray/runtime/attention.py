@@ -167,13 +167,17 @@ class SdpaBackend:
                 else:
                     outs.append(_attend_positioned(rows, k_all, v_all, span))
                 continue
-            if len(span.kv_runs) == 1:
-                k_ctx, v_ctx = k_all[:, span.kv_runs[0]], v_all[:, span.kv_runs[0]]
-            else:
-                slots = _context_slots(span, q.device)
-                k_ctx, v_ctx = k_all.index_select(1, slots), v_all.index_select(1, slots)
-            outs.append(_attend_prefill_cpu(rows, k_ctx, v_ctx))
+            outs.append(_attend_prefill_cpu(rows, *_context_kv(span, k_all, v_all)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _context_kv(span: SequenceSpan, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A prefill span's keys and values [Hkv, ctx, Dh]: a view over consecutive blocks, else
+    gathered once (measured in the class docstring)."""
+    if len(span.kv_runs) == 1:
+        return k_all[:, span.kv_runs[0]], v_all[:, span.kv_runs[0]]
+    slots = _context_slots(span, k_all.device)
+    return k_all.index_select(1, slots), v_all.index_select(1, slots)
 
 
 def _positioned(span: SequenceSpan, group: int) -> bool:
@@ -189,7 +193,8 @@ def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.T
     group = q.shape[1] // hkv
     positioned = [s for s in meta.spans if _positioned(s, group)]
     if positioned and meta.window_plan is None:
-        meta.window_plan = plan_windows(positioned, q.shape[1], hkv, WINDOW, MAX_POSITIONED_ROWS, q.dtype, q.device)
+        meta.window_plan = plan_windows(positioned, [_context_slots(s, q.device) for s in positioned], q.shape[1],
+                                        hkv, WINDOW, MAX_POSITIONED_ROWS, q.dtype, q.device)
     if len(positioned) == len(meta.spans):  # a decode / verify step: the plan covers every token, in order
         return attend_windows(meta.window_plan, q, k_all, v_all)
     out = torch.empty_like(q)
@@ -199,11 +204,7 @@ def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.T
         if _positioned(span, group):
             continue
         n = span.q_len
-        if len(span.kv_runs) == 1:
-            k_ctx, v_ctx = k_all[:, span.kv_runs[0]], v_all[:, span.kv_runs[0]]
-        else:
-            slots = _context_slots(span, q.device)
-            k_ctx, v_ctx = k_all.index_select(1, slots), v_all.index_select(1, slots)
+        k_ctx, v_ctx = _context_kv(span, k_all, v_all)
         rows = q[span.q_start:span.q_start + n]
         qs = rows.view(n, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, group * n, dh)  # rows: (group, position)
         attended = F.scaled_dot_product_attention(qs[None], k_ctx[None], v_ctx[None],
@@ -503,16 +504,15 @@ class FlashAttnBackend:
         if meta.flash_plan is None:
             meta.flash_plan = plan_flash(meta, q.device)
         plan = meta.flash_plan
-        out = None
         if plan.row_tokens is not None:
             rows = q.index_select(0, plan.row_tokens)[:, None]  # [P, 1, Hq, Dh]
             attended = self._kernel(rows, k_cache, v_cache, cache_seqlens=plan.row_seqlens,
                                     block_table=plan.row_tables, causal=True, num_splits=1)[:, 0]
             if not plan.chunks:  # a decode / verify step: every token, in order
                 return attended
-            out = torch.empty_like(q)
+        out = torch.empty_like(q)
+        if plan.row_tokens is not None:
             out[plan.row_tokens] = attended
-        out = torch.empty_like(q) if out is None else out
         for start, n, seqlens, table in plan.chunks:
             out[start:start + n] = self._kernel(q[None, start:start + n], k_cache, v_cache, cache_seqlens=seqlens,
                                                 block_table=table, causal=True)[0]

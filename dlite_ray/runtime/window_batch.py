@@ -41,21 +41,22 @@ class WindowPlan:
     tokens: torch.Tensor  # [n] indices into T of every positioned token
 
 
-def plan_windows(spans, num_heads: int, num_kv_heads: int, window: int, rows: int, dtype: torch.dtype,
-                 device: torch.device) -> WindowPlan:
-    """spans: the positioned SequenceSpans of a step (few new tokens each); `window` and
-    `rows` are attention.py's WINDOW and MAX_POSITIONED_ROWS."""
+def plan_windows(spans, context_slots: list[torch.Tensor], num_heads: int, num_kv_heads: int, window: int,
+                 rows: int, dtype: torch.dtype, device: torch.device) -> WindowPlan:
+    """spans: the positioned SequenceSpans of a step (few new tokens each), with each one's
+    context as cache slots (on `device`); `window` and `rows` are attention.py's WINDOW and
+    MAX_POSITIONED_ROWS."""
     group = num_heads // num_kv_heads
     per_call = rows // group
     by_end: dict[int, list[tuple]] = {}
     tokens: list[int] = []
-    for span in spans:
+    for span, slots in zip(spans, context_slots, strict=True):
         first = span.ctx_len - span.q_len
         i = 0
         while i < span.q_len:  # the rows of one window per call
             end = (first + i) - (first + i) % window + window
             j = min(span.q_len, end - first, i + per_call)
-            by_end.setdefault(end, []).append((span, i, j, first))
+            by_end.setdefault(end, []).append((span, slots, i, j, first))
             i = j
         tokens += range(span.q_start, span.q_start + span.q_len)
     batches = [_batch(end, calls, num_heads, num_kv_heads, rows, dtype, device) for end, calls in by_end.items()]
@@ -71,7 +72,7 @@ def _batch(end: int, calls: list[tuple], num_heads: int, num_kv_heads: int, rows
     slots, out_rows, out_targets = [], [], []
     keys = torch.arange(end)
     heads = torch.arange(num_kv_heads)[:, None] * group + torch.arange(group)[None, :]  # [Hkv, group]
-    for b, (span, i, j, first) in enumerate(calls):
+    for b, (span, context, i, j, first) in enumerate(calls):
         m = j - i
         tok = torch.arange(span.q_start + i, span.q_start + j)  # [m] token index in T
         flat = (tok[None, None, :] * num_heads + heads[:, :, None]).reshape(num_kv_heads, group * m)  # rows (g, t)
@@ -81,17 +82,16 @@ def _batch(end: int, calls: list[tuple], num_heads: int, num_kv_heads: int, rows
         out_targets.append(flat.reshape(-1))
         positions = (first + torch.arange(i, j)).repeat(group)  # row (g, t) sits at first + t
         mask[b, 0, :group * m] = torch.where(keys[None, :] > positions[:, None], float("-inf"), 0.0)
-        slots.append(_slots(span, end))
-    return WindowBatch(end, query_index.to(device), torch.cat(slots).to(device), mask.to(dtype).to(device),
+        slots.append(_window_slots(context, end))
+    return WindowBatch(end, query_index.to(device), torch.cat(slots), mask.to(dtype).to(device),
                        torch.cat(out_rows).to(device), torch.cat(out_targets).to(device))
 
 
-def _slots(span, end: int) -> torch.Tensor:
-    """The slots of positions [0, end): the span's context, then its last slot repeated
-    (masked, so whatever it holds counts for nothing)."""
-    known = min(end, span.ctx_len)
-    ctx = torch.cat([torch.arange(r.start, r.stop) for r in span.kv_runs])[:known]
-    return torch.cat([ctx, ctx[-1:].expand(end - known)])
+def _window_slots(context: torch.Tensor, end: int) -> torch.Tensor:
+    """The slots of positions [0, end): the context's, then its last slot repeated (masked,
+    so whatever it holds counts for nothing)."""
+    ctx = context[:end]
+    return torch.cat([ctx, ctx[-1:].expand(end - len(ctx))])
 
 
 def attend_windows(plan: WindowPlan, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,8 @@ def test_a_decode_row_and_its_verify_row_meet_the_same_kernel_inputs():
     verify = build_attention_metadata([8], [ctx + 6], [table], 16, torch.device("cpu")).spans  # p is row 1
 
     def call_of(spans, row):
-        plan = plan_windows(spans, HKV * GROUP, HKV, WINDOW, MAX_POSITIONED_ROWS, torch.float32, torch.device("cpu"))
+        plan = plan_windows(spans, [attention._context_slots(s, torch.device("cpu")) for s in spans], HKV * GROUP,
+                            HKV, WINDOW, MAX_POSITIONED_ROWS, torch.float32, torch.device("cpu"))
         for batch in plan.batches:
             hit = (batch.query_index == row * HKV * GROUP).nonzero()  # query head 0 of the row
             if len(hit):
