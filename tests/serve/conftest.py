@@ -60,3 +60,19 @@ def serve_app(tiny_serving_model, tmp_path_factory):
     yield handle, args
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_dirs, tmp_path_factory):
+    """(target dir, target, draft dir): a random draft saved for a child process to load."""
+    import torch
+
+    from dlite_ray.runtime.loading import load_target
+    from tests.conftest import read_config
+    from tests.engine.conftest import random_draft
+
+    target_dir = tiny_dirs["llama"]
+    target = load_target(target_dir)
+    draft_dir = tmp_path_factory.mktemp("pair") / "draft"
+    random_draft(target, read_config(target_dir)).save(draft_dir, dtype=torch.float32)
+    return target_dir, target, draft_dir

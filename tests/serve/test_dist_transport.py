@@ -14,12 +14,9 @@ import torch
 from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, InProcessDraftTransport
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import save_draft_vocab
-from dlite_ray.runtime.loading import load_target
 from dlite_ray.runtime.sampling import RowSampling
 from dlite_ray.serve.dist_transport import DraftServer, PairTransport
 from dlite_ray.serve.draft_process import start_local_pair
-from tests.conftest import read_config
-from tests.engine.conftest import random_draft
 
 VOCAB = 128
 CPU = torch.device("cpu")
@@ -42,16 +39,6 @@ def _request(local: DLiteDraftModel, hidden: int, generators: list[torch.Generat
     greedy = torch.tensor([False, True, False])  # a mixed batch: one row drafts by argmax
     return DraftRequest(torch.tensor([[5], [9], [17]]), feats, 5,
                         RowSampling.build([0.8] * 3, [0] * 3, [1.0] * 3, generators), greedy)
-
-
-@pytest.fixture(scope="module")
-def tiny_pair(tiny_dirs, tmp_path_factory):
-    """(target dir, target, draft dir): a random draft saved for a child process to load."""
-    target_dir = tiny_dirs["llama"]
-    target = load_target(target_dir)
-    draft_dir = tmp_path_factory.mktemp("pair") / "draft"
-    random_draft(target, read_config(target_dir)).save(draft_dir, dtype=torch.float32)
-    return target_dir, target, draft_dir
 
 
 @pytest.mark.parametrize("payload", ["host", "dist"])

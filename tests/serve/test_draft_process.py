@@ -14,11 +14,11 @@ import torch
 
 from dlite_ray.engine.draft_transport import DraftRequest, DraftUnavailable, InProcessDraftTransport
 from dlite_ray.runtime.draft_model import DLiteDraftModel
-from dlite_ray.runtime.loading import load_embedding, load_target
+from dlite_ray.runtime.loading import load_embedding
 from dlite_ray.runtime.sampling import RowSampling
 from dlite_ray.serve.draft_process import start_local_pair
 from tests.conftest import read_config
-from tests.engine.conftest import make_engine, random_draft
+from tests.engine.conftest import make_engine
 
 PROMPTS = [[5, 9, 17, 3, 8, 11], [40, 41, 42, 7]]
 NEW = 24
@@ -41,11 +41,8 @@ def _stalling_draft(draft_dir: str, target_dir: str, marker: str, device: torch.
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_dirs, tmp_path_factory):
-    target_dir = tiny_dirs["llama"]
-    target = load_target(target_dir)
-    draft_dir = tmp_path_factory.mktemp("draft-process") / "draft"
-    random_draft(target, read_config(target_dir)).save(draft_dir, dtype=torch.float32)
+def tiny(tiny_pair):
+    target_dir, target, draft_dir = tiny_pair
     local = DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers)
     return target_dir, target, draft_dir, InProcessDraftTransport(local, "x")
 
