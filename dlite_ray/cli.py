@@ -183,7 +183,7 @@ def cmd_generate(args) -> int:
         keys = ("accept_lengths", "copied_rounds", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
                 "verify_time", "decode_tokens_per_second")
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                          "finish_reason": result.finish_reason, "stats": {k: result.stats[k] for k in keys}}))
+                          "finish_reason": result.finish_reason, "stats": {k: result.stats.as_dict()[k] for k in keys}}))
     return 0
 
 

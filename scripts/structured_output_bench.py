@@ -61,7 +61,7 @@ def main() -> None:
           f"median reply {statistics.median(tokens)} tokens")
     for text in texts["dlite"]:
         print("  ", text)
-    taus = [r.stats["mean_accept_length"] for r in results["dlite"]]
+    taus = [r.stats.mean_accept_length for r in results["dlite"]]
     print(f"dlite mean accept length per request: median {statistics.median(taus):.2f}")
     print("\n".join(speedup_lines(seconds, "dlite", "plain")))
 

@@ -44,9 +44,9 @@ class EngineMethod:
         r = self.engine.generate(ids, max_new_tokens=max_new_tokens)[0]
         total = time.perf_counter() - start
         s = r.stats
-        return Run(r.token_ids, s["ttft"] or total, s["decode_tokens_per_second"], len(r.token_ids) / total,
-                   s["accept_lengths"], s["position_accepts"], s["position_trials"], s["draft_time"],
-                   s["verify_time"], s["decode_wall_time"], copied_rounds=s["copied_rounds"])
+        return Run(r.token_ids, s.ttft or total, s.decode_tokens_per_second, len(r.token_ids) / total,
+                   s.accept_lengths, s.position_accepts, s.position_trials, s.draft_time,
+                   s.verify_time, s.decode_wall_time, copied_rounds=s.copied_rounds)
 
 
 class _TimingStreamer:

@@ -222,8 +222,8 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
                 wall = time.perf_counter() - start
                 runs[name].append({
                     "tokens_per_second": sum(len(r.token_ids) for r in results) / wall,
-                    "mean_latency_s": statistics.mean(r.stats["ttft"] + r.stats["decode_wall_time"] for r in results),
-                    "mean_accept_length": statistics.mean(r.stats["mean_accept_length"] for r in results)})
+                    "mean_latency_s": statistics.mean(r.stats.ttft + r.stats.decode_wall_time for r in results),
+                    "mean_accept_length": statistics.mean(r.stats.mean_accept_length for r in results)})
         out[str(n)] = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         ratio = out[str(n)]["dlite"]["tokens_per_second"] / out[str(n)]["ar"]["tokens_per_second"]
         out[str(n)]["dlite/ar"] = ratio

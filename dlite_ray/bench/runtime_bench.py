@@ -31,7 +31,7 @@ def _prompt(engine: DLiteEngine, length: int) -> list[int]:
 
 def ours_tokens_per_second(engine: DLiteEngine, ids: list[int], new_tokens: int) -> float:
     result = engine.generate([ids], max_new_tokens=new_tokens + 1, ignore_eos=True)[0]
-    return result.stats["decode_tokens_per_second"]
+    return result.stats.decode_tokens_per_second
 
 
 @torch.inference_mode()

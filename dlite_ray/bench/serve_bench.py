@@ -56,8 +56,8 @@ def run(args) -> dict:
             tps, _ = _grpc_run(stub, item.messages, args.max_new_tokens)
             served.append(tps)
             r = library.generate(item.messages, max_new_tokens=args.max_new_tokens)[0]
-            lib.append(r.stats["decode_tokens_per_second"])
-            rounds += len(r.stats["accept_lengths"])
+            lib.append(r.stats.decode_tokens_per_second)
+            rounds += len(r.stats.accept_lengths)
     comm = worker.stats.remote().result()["draft_comm_time_s"] - comm_before
     serve.shutdown()
     ray.shutdown()

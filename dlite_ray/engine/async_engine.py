@@ -15,8 +15,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from dlite_ray.engine.engine import DLiteEngine, Prompt, stats_dict
+from dlite_ray.engine.engine import DLiteEngine, Prompt
 from dlite_ray.engine.logprobs import TokenLogprob
+from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.engine.sequence import SamplingParams, Sequence
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ class Chunk:
     token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
-    stats: dict | None = None
+    stats: RequestStats | None = None  # on the last chunk
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     error: str | None = None  # on the last chunk of a request that finished with "error": why
 
@@ -112,7 +113,7 @@ class AsyncEngine:
             for out in outputs:
                 seq = out.seq
                 new = out.new_token_ids
-                chunk = Chunk(new, seq.is_finished, seq.finish_reason, stats_dict(seq) if seq.is_finished else None,
+                chunk = Chunk(new, seq.is_finished, seq.finish_reason, RequestStats.of(seq) if seq.is_finished else None,
                               seq.logprobs[len(seq.logprobs) - len(new):] if seq.logprobs is not None else None,
                               seq.error)
                 self._emit(seq.request_id, chunk, final=seq.is_finished)

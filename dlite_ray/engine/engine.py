@@ -6,7 +6,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -17,6 +16,7 @@ from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
+from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import FINISH_ABORT, InvalidRequest, SamplingParams, Sequence
 from dlite_ray.engine.spec_decode import SpecDecoder
@@ -42,7 +42,7 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or "error" (then `error` says why)
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: RequestStats = field(default_factory=RequestStats)
     trace: Trace | None = None  # with trace_top_k > 0
     logprobs: list[TokenLogprob] | None = None  # with logprobs set: one entry per token of token_ids
     error: str | None = None  # with finish_reason "error": why the reply could not go on (its grammar failed)
@@ -329,36 +329,12 @@ class DLiteEngine:
 
     def result(self, seq: Sequence) -> GenerationResult:
         text = text_before_stop(self.decode_output(seq.output_ids), seq.params.stop)
-        return GenerationResult(text, seq.output_ids, seq.finish_reason, stats_dict(seq), seq.trace, seq.logprobs,
+        return GenerationResult(text, seq.output_ids, seq.finish_reason, RequestStats.of(seq), seq.trace, seq.logprobs,
                                 seq.error)
 
     def decode_output(self, ids: list[int]) -> str:
         """The text of output tokens (end-of-sequence tokens are not text)."""
         return self.tokenizer.decode([t for t in ids if t not in self.eos_ids], skip_special_tokens=True)
-
-
-def stats_dict(seq: Sequence) -> dict[str, Any]:
-    st = seq.stats
-    # decode speed excludes the first round (its tokens arrive with the first token, at TTFT)
-    after_first = seq.num_outputs - (st.accept_lengths[0] if st.accept_lengths else 0)
-    tps = after_first / st.decode_wall_time if st.decode_wall_time > 0 else 0.0
-    return {
-        "accept_lengths": st.accept_lengths,
-        "copied_rounds": st.copied_rounds,
-        "mean_accept_length": st.mean_accept_length,
-        "position_accepts": st.position_accepts,
-        "position_trials": st.position_trials,
-        "prefill_time": st.prefill_time,
-        "decode_wall_time": st.decode_wall_time,
-        "draft_time": st.draft_time,
-        "verify_time": st.verify_time,
-        "decode_tokens_per_second": tps,
-        "num_prompt_tokens": seq.num_prompt_tokens,
-        "num_output_tokens": seq.num_outputs,
-        "cached_prompt_tokens": st.cached_prompt_tokens,
-        "resumed_from_boundary": st.resumed_from_boundary,
-        "ttft": (st.first_token_time - seq.arrival) if st.first_token_time else None,
-    }
 
 
 def default_draft_dir() -> Path | None:

@@ -96,7 +96,7 @@ def _first_divergence(plain, others) -> int | None:
 
 
 def mean_accept_length(results) -> float:
-    lengths = [a for r in results for a in r.stats["accept_lengths"]]
+    lengths = [a for r in results for a in r.stats.accept_lengths]
     return sum(lengths) / max(len(lengths), 1)
 
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
@@ -293,7 +294,7 @@ class DLiteIngress:
             parsed.prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(parsed.prompt))
         async for chunk in stream:
             if chunk["finished"]:
-                self.metrics.finished(chunk["stats"] or {}, time.perf_counter() - started)
+                self.metrics.finished(chunk["stats"], time.perf_counter() - started)
                 if chunk.get("error"):  # finish_reason "error": the output grammar failed mid-reply
                     raise OutputFailed(chunk["error"], chunk.get("replica"))
             yield chunk
@@ -430,8 +431,8 @@ def _stream_choice(chunk: dict, chat: bool) -> dict:
     return {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]}
 
 
-def _usage(stats: dict | None, completion_tokens: int) -> dict:
-    prompt_tokens = (stats or {}).get("num_prompt_tokens", 0)
+def _usage(stats: RequestStats | None, completion_tokens: int) -> dict:
+    prompt_tokens = stats.num_prompt_tokens if stats is not None else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -445,10 +446,12 @@ def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict],
     return ({"content": entries}, text_offset) if chat else completion_logprobs(entries, text_offset)
 
 
-def _public_stats(stats: dict | None) -> dict:
+def _public_stats(stats: RequestStats | None) -> dict:
+    if stats is None:
+        return {}
     keys = ("mean_accept_length", "accept_lengths", "prefill_time", "decode_wall_time", "draft_time", "verify_time",
             "decode_tokens_per_second", "ttft", "cached_prompt_tokens")
-    return {k: stats.get(k) for k in keys} if stats else {}
+    return {k: getattr(stats, k) for k in keys}
 
 
 DLiteIngressDeployment = serve.deployment(serve.ingress(app)(DLiteIngress), name="DLiteIngress")

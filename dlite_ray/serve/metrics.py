@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.errors import ServeError
 
 
@@ -27,16 +28,18 @@ class Metrics:
                                      "1 while the draft answered its last round or heartbeat", registry=r)
         self.draft_restarts = Gauge("dlite_draft_restarts", "reconnections of the draft after a failure", registry=r)
 
-    def finished(self, stats: dict, latency: float) -> None:
+    def finished(self, stats: RequestStats | None, latency: float) -> None:
         self.requests.inc()
         self.latency.observe(latency)
-        self.tokens.inc(stats.get("num_output_tokens", 0))
-        for a in stats.get("accept_lengths", []):
+        if stats is None:
+            return
+        self.tokens.inc(stats.num_output_tokens)
+        for a in stats.accept_lengths:
             self.accept.observe(a)
-        for k, n in enumerate(stats.get("position_accepts", [])):
+        for k, n in enumerate(stats.position_accepts):
             self.position.labels(str(k + 1)).inc(n)
-        self.draft_time.inc(stats.get("draft_time", 0.0))
-        self.verify_time.inc(stats.get("verify_time", 0.0))
+        self.draft_time.inc(stats.draft_time)
+        self.verify_time.inc(stats.verify_time)
 
     def error(self, err: ServeError) -> None:
         self.errors.labels(type(err).__name__).inc()

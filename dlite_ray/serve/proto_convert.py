@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.proto import dlite_pb2
 
 
@@ -26,12 +27,12 @@ def proto_conversation(conv: dict) -> dlite_pb2.Conversation:
                                   messages=[dlite_pb2.Message(**m) for m in conv["messages"]])
 
 
-def _proto_stats(stats: dict | None) -> dlite_pb2.Stats | None:
-    if not stats:
+def _proto_stats(stats: RequestStats | None) -> dlite_pb2.Stats | None:
+    if stats is None:
         return None
     return dlite_pb2.Stats(
-        accept_lengths=stats["accept_lengths"], mean_accept_length=stats["mean_accept_length"],
-        prefill_time=stats["prefill_time"], decode_wall_time=stats["decode_wall_time"],
-        draft_time=stats["draft_time"], verify_time=stats["verify_time"],
-        decode_tokens_per_second=stats["decode_tokens_per_second"], ttft=stats.get("ttft") or 0.0,
-        cached_prompt_tokens=stats.get("cached_prompt_tokens", 0), num_prompt_tokens=stats["num_prompt_tokens"])
+        accept_lengths=stats.accept_lengths, mean_accept_length=stats.mean_accept_length,
+        prefill_time=stats.prefill_time, decode_wall_time=stats.decode_wall_time,
+        draft_time=stats.draft_time, verify_time=stats.verify_time,
+        decode_tokens_per_second=stats.decode_tokens_per_second, ttft=stats.ttft or 0.0,
+        cached_prompt_tokens=stats.cached_prompt_tokens, num_prompt_tokens=stats.num_prompt_tokens)

@@ -71,10 +71,10 @@ def test_copied_tokens_leave_greedy_output_unchanged(tiny_target, tiny_draft, re
                          adaptive_draft_length=adaptive)
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == reference
-    copied = [c for r in out for c in r.stats["copied_rounds"]]
+    copied = [c for r in out for c in r.stats.copied_rounds]
     assert sum(copied) >= len(PROMPTS)  # every prompt copied at least once
     # a round never verifies more than 15 copied tokens
-    assert max(a for r in out for a in r.stats["accept_lengths"]) <= 16
+    assert max(a for r in out for a in r.stats.accept_lengths) <= 16
     if with_draft:
         assert not all(copied)  # and the draft drafted where nothing matched
 

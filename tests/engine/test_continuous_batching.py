@@ -81,7 +81,7 @@ def test_prefix_cache_reuses_the_shared_history(tiny_target, tiny_draft, alone):
     expected = ar.generate(follow_up, max_new_tokens=NEW)[0].token_ids
     again = engine.generate(follow_up, max_new_tokens=NEW)[0]
     assert again.token_ids == expected
-    assert again.stats["cached_prompt_tokens"] >= len(PROMPTS[1]) + len(first.token_ids) - 8
+    assert again.stats.cached_prompt_tokens >= len(PROMPTS[1]) + len(first.token_ids) - 8
 
 
 def test_resume_from_a_stored_boundary_recomputes_nothing(tiny_target, tiny_draft):
@@ -92,8 +92,8 @@ def test_resume_from_a_stored_boundary_recomputes_nothing(tiny_target, tiny_draf
     expected = ar.generate(history, max_new_tokens=NEW)[0].token_ids
     before = engine.boundaries.hits
     resumed = engine.generate(history, max_new_tokens=NEW)[0]
-    assert resumed.stats["resumed_from_boundary"] and engine.boundaries.hits == before + 1
-    assert resumed.stats["prefill_time"] == 0.0  # no target forward before the first round
+    assert resumed.stats.resumed_from_boundary and engine.boundaries.hits == before + 1
+    assert resumed.stats.prefill_time == 0.0  # no target forward before the first round
     assert resumed.token_ids == expected
 
 
@@ -103,7 +103,7 @@ def test_boundary_of_other_weights_is_ignored(tiny_target, tiny_draft):
     history = PROMPTS[0] + first.token_ids
     engine.draft_fingerprint = "another-draft"  # as if the draft had been retrained and reloaded
     resumed = engine.generate(history, max_new_tokens=NEW)[0]
-    assert not resumed.stats["resumed_from_boundary"] and engine.boundaries.stale == 1
+    assert not resumed.stats.resumed_from_boundary and engine.boundaries.stale == 1
     ar = make_engine(tiny_target, enable_prefix_cache=False)
     assert resumed.token_ids == ar.generate(history, max_new_tokens=NEW)[0].token_ids
 
@@ -123,8 +123,8 @@ def test_adaptive_length_turns_a_useless_draft_off(tiny_target, tiny_draft, alon
     engine = _with_model_costs(make_engine(tiny_target, tiny_draft, adaptive_draft_length=True))
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == alone
-    drafted = sum(sum(r.stats["position_trials"][:1]) for r in out)
-    rounds = sum(len(r.stats["accept_lengths"]) for r in out)
+    drafted = sum(sum(r.stats.position_trials[:1]) for r in out)
+    rounds = sum(len(r.stats.accept_lengths) for r in out)
     assert drafted < rounds / 2  # a random draft is rarely asked to speculate
 
 
@@ -135,7 +135,7 @@ def test_adaptive_length_keeps_a_good_draft_on(tiny_target, alone):
     engine = _with_model_costs(make_engine(tiny_target, oracle, adaptive_draft_length=True))
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == alone
-    assert sum(r.stats["mean_accept_length"] for r in out) / len(out) > 3
+    assert sum(r.stats.mean_accept_length for r in out) / len(out) > 3
 
 
 def test_draft_side_state_does_not_grow_with_context(tiny_target, tiny_draft):

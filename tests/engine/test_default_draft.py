@@ -38,7 +38,7 @@ def test_default_engine_speculates_and_matches_plain_decoding():
     spec = engine.generate(PROMPTS, max_new_tokens=48)
     ref = plain.generate(PROMPTS, max_new_tokens=48)
     assert [r.token_ids for r in spec] == [r.token_ids for r in ref]  # float32: exact
-    assert max(r.stats["mean_accept_length"] for r in spec) > 1.0  # drafts were accepted
+    assert max(r.stats.mean_accept_length for r in spec) > 1.0  # drafts were accepted
 
 
 def test_cli_generate_json_contract():

@@ -46,7 +46,7 @@ def test_oracle_draft_matches_target(tiny_target, reference, wrong_rate):
     engine = make_engine(tiny_target, _oracle(PROMPTS, reference, wrong_rate))
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == reference
-    mean_tau = sum(r.stats["mean_accept_length"] for r in out) / len(out)
+    mean_tau = sum(r.stats.mean_accept_length for r in out) / len(out)
     if wrong_rate == 0:
         assert mean_tau > 5.5  # a perfect draft: full rounds of K + 1 = 8, short only at the end
     else:
@@ -59,16 +59,16 @@ def test_verify_block_sizes(tiny_target, reference, verify_block_size):
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     assert [r.token_ids for r in out] == reference
     # the drafting is shortened with the verify window: no round drafts what it cannot verify
-    assert max(a for r in out for a in r.stats["accept_lengths"]) <= verify_block_size
-    assert all(len(r.stats["position_trials"]) <= verify_block_size - 1 for r in out)
+    assert max(a for r in out for a in r.stats.accept_lengths) <= verify_block_size
+    assert all(len(r.stats.position_trials) <= verify_block_size - 1 for r in out)
 
 
 def test_rows_advance_by_their_own_acceptance(tiny_target, reference):
     engine = make_engine(tiny_target, _oracle(PROMPTS, reference, 0.3))
     out = engine.generate(PROMPTS, max_new_tokens=NEW)
     for r in out:  # every committed token came from this row's own rounds
-        assert sum(r.stats["accept_lengths"]) == len(r.token_ids)
-    assert len({tuple(r.stats["accept_lengths"]) for r in out}) > 1  # rows did not move in lockstep
+        assert sum(r.stats.accept_lengths) == len(r.token_ids)
+    assert len({tuple(r.stats.accept_lengths) for r in out}) > 1  # rows did not move in lockstep
 
 
 def test_stop_tokens_end_the_request(tiny_target, tiny_draft, reference):

@@ -113,4 +113,4 @@ def test_a_speculated_reply_is_pinned_and_its_blocks_cached(tiny_target):
     assert engine.held_leases == ["conv-a"]
     history = list(seq.token_ids) + [5, 6, 7]
     follow = engine.generate(history, max_new_tokens=2, ignore_eos=True)[0]
-    assert follow.stats["cached_prompt_tokens"] >= (len(seq.token_ids) - 1) // 4 * 4 - 1
+    assert follow.stats.cached_prompt_tokens >= (len(seq.token_ids) - 1) // 4 * 4 - 1

@@ -38,7 +38,7 @@ def test_drafted_rounds_report_the_logprobs_of_plain_decoding(tiny_target, tiny_
                                   seed=2, vocab_size=128)
     spec = make_engine(tiny_target, oracle, num_draft_tokens=7).generate(PROMPTS, max_new_tokens=NEW,
                                                                          ignore_eos=True, logprobs=TOP)
-    assert max(max(r.stats["accept_lengths"]) for r in spec) > 3  # rounds did accept drafts
+    assert max(max(r.stats.accept_lengths) for r in spec) > 3  # rounds did accept drafts
     for prompt, p, s in zip(PROMPTS, plain, spec, strict=True):
         assert s.token_ids == p.token_ids and len(s.logprobs) == NEW
         assert [lp.top for lp in s.logprobs] == [lp.top for lp in p.logprobs]

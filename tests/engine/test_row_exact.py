@@ -95,7 +95,7 @@ def test_oracle_draft_always_accepted(target, plain):
     spec = make_engine(target, oracle, num_draft_tokens=7, enable_prefix_cache=False)
     for prompt, expected in zip(PROMPTS, plain, strict=True):
         out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
-        assert out.token_ids == expected and out.stats["mean_accept_length"] > 4
+        assert out.token_ids == expected and out.stats.mean_accept_length > 4
 
 
 def test_copied_rows_of_sixteen_tokens_stay_exact(target):
@@ -107,7 +107,7 @@ def test_copied_rows_of_sixteen_tokens_stay_exact(target):
         expected = plain.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0].token_ids
         out = spec.generate(prompt, max_new_tokens=NEW, ignore_eos=True)[0]
         assert out.token_ids == expected
-        assert out.stats["copied_rounds"][0]
+        assert out.stats.copied_rounds[0]
 
 
 def test_steps_of_many_rows_stay_exact(target_dir, dtype, plain, monkeypatch):

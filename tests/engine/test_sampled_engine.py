@@ -45,7 +45,7 @@ def test_sampled_tokens_follow_the_target(small_vocab, verify_mode):
                               verify_mode=verify_mode, ignore_eos=True)
         firsts += [r.token_ids[0] for r in out]
         seconds += [r.token_ids[1] for r in out]
-        rounds += sum(len(r.stats["accept_lengths"]) for r in out)
+        rounds += sum(len(r.stats.accept_lengths) for r in out)
     for got, want in ((seconds, want2), (firsts, want1)):
         assert chi2_pvalue(got, want.double().numpy()) > 1e-3
 
@@ -121,7 +121,7 @@ def _sample_copying(engine, temperature: float, reps: int = 4) -> tuple[list[int
                               ignore_eos=True)
         firsts += [r.token_ids[0] for r in out]
         seconds += [r.token_ids[1] for r in out]
-        copied += sum(r.stats["copied_rounds"][0] for r in out)
+        copied += sum(r.stats.copied_rounds[0] for r in out)
     return firsts, seconds, copied
 
 

@@ -44,7 +44,7 @@ def test_a_failed_draft_call_decodes_plainly_and_measures_nothing(tiny_target, t
     engine.policy.observe_step = lambda *args: measured.append(args)
     out = engine.generate([list(range(3, 12))], max_new_tokens=6, ignore_eos=True)
     assert failing.calls > 0 and out[0].token_ids == plain[0].token_ids
-    assert out[0].stats["draft_time"] == 0.0  # no row drafted
-    assert all(a == 1 for a in out[0].stats["accept_lengths"])
+    assert out[0].stats.draft_time == 0.0  # no row drafted
+    assert all(a == 1 for a in out[0].stats.accept_lengths)
     # a step that spent its time on a failed call is not a plain step's rate
     assert not any(step[1] and max(step[1]) == 0 and step[3] >= FailingDraft.DELAY_S for step in measured)

@@ -95,7 +95,7 @@ def test_drafted_rounds_stop_where_plain_decoding_stops(tiny_target):
             assert out.finish_reason == "stop" and stop not in out.text
             assert out.text == text_before_stop(reply.text, (stop,))
             assert len(out.logprobs) == kept
-        ran_past.append(sum(out.stats["accept_lengths"]) > len(out.token_ids))
+        ran_past.append(sum(out.stats.accept_lengths) > len(out.token_ids))
     assert any(ran_past)  # some stop fell inside a round, whose later accepted tokens were dropped
 
 

@@ -73,7 +73,7 @@ def test_greedy_speculation_under_a_schema_equals_plain_decoding_under_it(tiny, 
     for spec in (_engine(tiny, draft), _engine(tiny, oracle)):
         out = spec.generate(PROMPTS, max_new_tokens=40, json_schema=js)
         assert [r.token_ids for r in out] == plain
-    assert sum(r.stats["mean_accept_length"] for r in out) > len(out)  # the oracle's drafts were accepted
+    assert sum(r.stats.mean_accept_length for r in out) > len(out)  # the oracle's drafts were accepted
     for ids in plain:  # random weights, yet every reply is complete JSON the schema accepts
         assert ids[-1] == 2
         reply = json.loads(_text(tok, ids))
@@ -91,8 +91,8 @@ def test_what_the_grammar_forces_is_proposed_and_accepted(tiny):
     out = _engine(tiny, draft, lookup_tokens=15).generate(PROMPTS, max_new_tokens=40, json_schema=js)
     assert [r.token_ids for r in out] == [r.token_ids for r in plain]
     for r in out:  # '{"name": "' opens every reply: one round proposes it and keeps it whole
-        first = r.stats["accept_lengths"][0]
-        assert r.stats["copied_rounds"][0] and first == len('{"name": "') + 1
+        first = r.stats.accept_lengths[0]
+        assert r.stats.copied_rounds[0] and first == len('{"name": "') + 1
 
 
 def test_a_constrained_request_leaves_its_batch_neighbours_unchanged(tiny):

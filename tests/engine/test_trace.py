@@ -36,7 +36,7 @@ def test_drafted_rounds_trace_the_rows_plain_decoding_traces(tiny_target):
         assert s.trace.features is None  # the oracle reads no target layers
         # at T = 0 the most probable token at row i is output token i
         assert s.trace.top_ids[:, 0].tolist() == s.token_ids
-    assert max(max(r.stats["accept_lengths"]) for r in spec) > 3
+    assert max(max(r.stats.accept_lengths) for r in spec) > 3
 
 
 def test_a_draft_engine_traces_its_taps_as_a_plain_engine_tapping_them(tiny_target, tiny_target_dir):

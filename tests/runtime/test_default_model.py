@@ -65,5 +65,5 @@ def test_speculative_greedy_output_equals_plain_decoding_in_bf16(default_model_d
     assert spec.draft is not None
     for prompt in prompts:  # one at a time: batch 1, where a verify step meets one-row decode steps
         ours = spec.generate([prompt], max_new_tokens=96)[0]
-        assert sum(ours.stats["accept_lengths"]) > len(ours.stats["accept_lengths"])  # something was accepted
+        assert sum(ours.stats.accept_lengths) > len(ours.stats.accept_lengths)  # something was accepted
         assert ours.token_ids == plain.generate([prompt], max_new_tokens=96)[0].token_ids

@@ -15,6 +15,7 @@ import grpc
 import pytest
 import requests
 
+from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
 from tests.serve.conftest import GRPC_PORT, HTTP_PORT
@@ -83,9 +84,7 @@ class FakeWorker:
 
 
 def _chunk(text: str, finished: bool) -> dict:
-    stats = {"accept_lengths": [1], "mean_accept_length": 1.0, "prefill_time": 0.0, "decode_wall_time": 0.0,
-             "draft_time": 0.0, "verify_time": 0.0, "decode_tokens_per_second": 0.0, "num_prompt_tokens": 3,
-             "num_output_tokens": 2}
+    stats = RequestStats(num_prompt_tokens=3, num_output_tokens=2, accept_lengths=[1])
     return {"token_ids": [7], "text": text, "logprobs": None, "finished": finished,
             "finish_reason": "stop" if finished else None, "stats": stats if finished else None,
             "replica": "fake-replica" if finished else None, "evicted": []}
