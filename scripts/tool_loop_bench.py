@@ -16,7 +16,7 @@ import json
 from dlite_ray.bench.paired import paired_runs, speedup_lines
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.serve.config import LimitArgs
-from dlite_ray.serve.requests import parse_chat
+from dlite_ray.serve.openai_requests import parse_chat
 from dlite_ray.serve.tool_calls import parse_tool_calls
 
 WEATHER = {"type": "function", "function": {

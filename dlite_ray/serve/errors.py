@@ -65,6 +65,12 @@ class ReplicaUnavailable(ServeError):
     http_status, grpc_code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
 
 
+def unwrap(exc: Exception) -> Exception:
+    """Ray wraps replica exceptions; find the typed cause for the status mapping."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, Exception) else exc
+
+
 def as_serve_error(exc: Exception) -> ServeError:
     if isinstance(exc, ServeError):
         return exc

@@ -249,7 +249,7 @@ def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
     (held back while the reply may become calls) delivers the same."""
     from dlite_ray.engine.engine import DLiteEngine
     from dlite_ray.serve.config import LimitArgs
-    from dlite_ray.serve.requests import parse_chat
+    from dlite_ray.serve.openai_requests import parse_chat
     from dlite_ray.serve.tool_calls import chat_message
 
     tool = {"type": "function", "function": {"name": "run_tests", "parameters": {
@@ -296,7 +296,7 @@ def test_tools_over_grpc_and_in_conversations(serve_app, tiny_serving_model):
     with tools offers them in every turn and keeps the model's own text in its history."""
     from dlite_ray.engine.engine import DLiteEngine
     from dlite_ray.serve.config import LimitArgs
-    from dlite_ray.serve.requests import parse_chat
+    from dlite_ray.serve.openai_requests import parse_chat
     from dlite_ray.serve.tool_calls import chat_message
 
     schema = {"type": "object", "properties": {"path": {"type": "string"}}}

@@ -9,7 +9,7 @@ from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest
 from dlite_ray.serve.logprobs import TokenRenderer, completion_logprobs
-from dlite_ray.serve.requests import parse_chat, parse_completion
+from dlite_ray.serve.openai_requests import parse_chat, parse_completion
 
 LIMITS = LimitArgs()
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}

@@ -15,24 +15,21 @@ from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.engine.structured_output import checked
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import ServeError
-from dlite_ray.serve.proto import dlite_pb2
-from dlite_ray.serve.requests import (
+from dlite_ray.serve.grpc_requests import parse_grpc_append, parse_grpc_create, parse_grpc_generate
+from dlite_ray.serve.openai_requests import (
     INT64_MAX,
     INT64_MIN,
     MAX_LOGPROBS,
     ROLES,
     TOP_K_MAX,
-    ConversationTurn,
-    ParsedRequest,
     decode_json_body,
     parse_append,
     parse_chat,
     parse_completion,
     parse_create_conversation,
-    parse_grpc_append,
-    parse_grpc_create,
-    parse_grpc_generate,
 )
+from dlite_ray.serve.proto import dlite_pb2
+from dlite_ray.serve.request_types import ConversationTurn, ParsedRequest
 
 LIMITS = LimitArgs(max_tokens_cap=64, default_max_tokens=16, max_body_bytes=4096, max_messages=8)
 # database=None: no .hypothesis/ folder in the checkout; a failure prints the seed that replays it

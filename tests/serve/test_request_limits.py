@@ -13,16 +13,10 @@ import pytest
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs, LimitArgs
 from dlite_ray.serve.errors import MAX_ERROR_CHARS, ConversationNotFound, ServeError, openai_error_body
+from dlite_ray.serve.grpc_requests import parse_grpc_create, parse_grpc_generate
+from dlite_ray.serve.openai_requests import parse_append, parse_chat, parse_completion, parse_create_conversation
 from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
 from dlite_ray.serve.request_limits import conversation_id
-from dlite_ray.serve.requests import (
-    parse_append,
-    parse_chat,
-    parse_completion,
-    parse_create_conversation,
-    parse_grpc_create,
-    parse_grpc_generate,
-)
 from dlite_ray.serve.worker_probe import WorkerProbe
 
 LIMITS = LimitArgs(max_message_chars=100, max_prompt_chars=250)

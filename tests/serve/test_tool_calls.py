@@ -12,7 +12,7 @@ import pytest
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest
 from dlite_ray.serve.held_reply import HeldReply, held_for_tool_calls
-from dlite_ray.serve.requests import TOOLS_PREAMBLE, parse_chat, parse_create_conversation, tools_in
+from dlite_ray.serve.openai_requests import parse_chat, parse_create_conversation
 from dlite_ray.serve.tool_calls import (
     MAX_PARSED_CHARS,
     Tool,
@@ -23,6 +23,7 @@ from dlite_ray.serve.tool_calls import (
     render_tool_calls,
     tool_calls_delta,
 )
+from dlite_ray.serve.tool_prompt import TOOLS_PREAMBLE, tools_in
 
 TOOLS = (Tool("get_weather", ("city", "unit")), Tool("math.factorial", ("n",)))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP side of DLiteIngress: the FastAPI routes, the SSE body of a
+streamed reply and the shapes of OpenAI's responses. Credentials and parsing happen here,
+before anything reaches an engine; parsing runs off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from dlite_ray.engine.request_stats import RequestStats
+from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body, unwrap
+from dlite_ray.serve.held_reply import held_for_tool_calls
+from dlite_ray.serve.logprobs import completion_logprobs
+from dlite_ray.serve.openai_requests import (
+    decode_json_body,
+    parse_append,
+    parse_chat,
+    parse_completion,
+    parse_create_conversation,
+)
+from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
+from dlite_ray.serve.request_limits import idempotency_key
+from dlite_ray.serve.request_types import ParsedRequest
+from dlite_ray.serve.tenant_limits import TenantSlot
+from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
+
+# no /docs, /redoc or /openapi.json: the API is documented in the repository, not served unauthenticated
+app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible",
+              docs_url=None, redoc_url=None, openapi_url=None)
+
+
+class OpenAIRoutes:
+    """HTTP endpoints of DLiteIngress (a mixin: Serve needs the routes on the deployment class)."""
+
+    @app.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        """Open to all, so it says only whether a TargetWorker answers (503 when none does)."""
+        if await self.probe.stats() is None:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.args.model_name, "object": "model", "owned_by": "dlite-ray"}]}
+
+    @app.get("/metrics")
+    async def prometheus(self, request: Request):
+        """Prometheus text; the worker figures are left as last seen when no worker answers
+        in time (dlite_worker_up 0)."""
+        try:
+            self.keys.ops_tenant(request.headers.get("authorization"))
+        except Exception as exc:  # noqa: BLE001
+            return self._error_response(exc)
+        stats = await self.probe.stats()
+        if stats is not None:
+            self.metrics.set_worker_stats(stats)
+        return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._http(request, parse_chat, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._http(request, parse_completion, chat=False)
+
+    async def _http(self, request: Request, parse, chat: bool):
+        slot: TenantSlot | None = None
+        try:
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            parsed = await self._parse(request, parse)
+            slot = self.tenant_limits.acquire(tenant)
+            await self.worker.encode.remote(parsed.prompt)  # context-length errors before streaming starts
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
+            if slot is not None:
+                slot.release()
+            return self._error_response(exc)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if parsed.stream:
+            body = self._sse(rid, parsed, chat, slot)
+            # A client gone before the server starts the stream leaves the generator unstarted, so
+            # its finally never runs; releasing when the generator is collected covers that case.
+            weakref.finalize(body, slot.release)
+            return StreamingResponse(body, media_type="text/event-stream")
+        text, finish, stats, n, logprobs = "", None, None, 0, []
+        with slot:
+            try:
+                async for chunk in self._generate(parsed):
+                    text += chunk["text"]
+                    n += len(chunk["token_ids"])
+                    finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
+                    logprobs += chunk["logprobs"] or []
+            except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
+                return self._error_response(exc)
+        usage = _usage(stats, n)
+        if chat:
+            message, finish = chat_message(text, finish, parsed.tools)
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+        choice["logprobs"], _ = _choice_logprobs(parsed, chat, logprobs)
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
+
+    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, slot: TenantSlot) -> AsyncIterator[str]:
+        """The SSE body; it owns the tenant slot, released however the stream ends (a client
+        disconnect cancels or closes this generator, which runs the finally)."""
+        text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
+        n, stats = 0, None
+        first = chat  # a chat stream's first delta names the role, as OpenAI's do
+        try:
+            async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
+                n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
+                if not (chunk["text"] or chunk["logprobs"] or chunk["finished"]):
+                    continue  # held back: nothing to send yet
+                choice = _stream_choice(chunk, chat)
+                if first:
+                    choice["delta"], first = {"role": "assistant", **choice["delta"]}, False
+                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk["logprobs"], text_offset)
+                # with include_usage, OpenAI's other chunks carry "usage": null
+                yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))
+            if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
+                yield self._sse_chunk(rid, chat, [], usage=_usage(stats, n))
+        except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
+            err = as_serve_error(unwrap(exc))
+            yield f"data: {json.dumps(openai_error_body(err))}\n\n"
+        finally:
+            slot.release()
+        yield "data: [DONE]\n\n"
+
+    def _sse_chunk(self, rid: str, chat: bool, choices: list[dict], **extra) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": self.args.model_name, "choices": choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def _parse(self, request: Request, parse) -> Any:
+        """The body through `decode_json_body` and `parse`, in a thread: a large body or schema
+        must not hold up the streams this event loop serves."""
+        raw = await _read_body(request, self.args.limits.max_body_bytes)
+        return await asyncio.to_thread(lambda: parse(decode_json_body(raw, self.args.limits), self.args.limits))
+
+    async def _http_call(self, coro_fn):
+        """Run a JSON endpoint; typed errors become OpenAI error bodies."""
+        try:
+            return await coro_fn()
+        except Exception as exc:  # noqa: BLE001
+            return self._error_response(exc)
+
+    def _error_response(self, exc: Exception) -> JSONResponse:
+        err = as_serve_error(unwrap(exc))
+        self.metrics.error(err)
+        return JSONResponse(openai_error_body(err), status_code=err.http_status)
+
+    @app.post("/v1/conversations")
+    async def http_create_conversation(self, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            messages = await self._parse(request, parse_create_conversation)
+            return await self.router.create.remote(tenant, messages)
+        return await self._http_call(go)
+
+    @app.get("/v1/conversations/{conversation_id}")
+    async def http_get_conversation(self, conversation_id: str, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            return await self.router.get.remote(tenant, valid_conversation_id(conversation_id))
+        return await self._http_call(go)
+
+    @app.delete("/v1/conversations/{conversation_id}")
+    async def http_delete_conversation(self, conversation_id: str, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            return {"deleted": await self.router.delete.remote(tenant, valid_conversation_id(conversation_id))}
+        return await self._http_call(go)
+
+    @app.post("/v1/conversations/{conversation_id}/messages")
+    async def http_append_and_generate(self, conversation_id: str, request: Request):
+        async def go():
+            tenant = self.keys.tenant(request.headers.get("authorization"))
+            valid_conversation_id(conversation_id)
+            turn = await self._parse(request, parse_append)
+            text, finish, replica, stats, logprobs, calls = "", None, None, None, [], None
+            key = idempotency_key(request.headers.get("idempotency-key"))
+            with self.tenant_limits.acquire(tenant):
+                async for chunk in self.turns.run(tenant, conversation_id, turn, key):
+                    text += chunk["text"]
+                    finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
+                    stats, calls = chunk["stats"] or stats, chunk["tool_calls"] or calls
+                    logprobs += chunk["logprobs"] or []
+            return {"conversation_id": conversation_id, "message": assistant_message(text, calls),
+                    "logprobs": None if turn.params.logprobs is None else {"content": logprobs},
+                    "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
+        return await self._http_call(go)
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The body, refused (413) as soon as it passes `max_bytes`, before it is all in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise PayloadTooLarge(f"body of {declared} bytes exceeds this server's max_body_bytes of {max_bytes}")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            raise PayloadTooLarge(f"body of more than {max_bytes} bytes exceeds this server's max_body_bytes")
+    return bytes(body)
+
+
+def _stream_choice(chunk: dict, chat: bool) -> dict:
+    if chunk["tool_calls"]:
+        return {"index": 0, "delta": tool_calls_delta(chunk["tool_calls"]), "finish_reason": chunk["finish_reason"]}
+    if chat:
+        return {"index": 0, "delta": {"content": chunk["text"]}, "finish_reason": chunk["finish_reason"]}
+    return {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]}
+
+
+def _usage(stats: RequestStats | None, completion_tokens: int) -> dict:
+    prompt_tokens = stats.num_prompt_tokens if stats is not None else 0
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict],
+                     text_offset: int = 0) -> tuple[dict | None, int]:
+    """A choice's `logprobs` (None unless the request asked for them), and the completion
+    text offset after them."""
+    if parsed.params.logprobs is None:
+        return None, text_offset
+    return ({"content": entries}, text_offset) if chat else completion_logprobs(entries, text_offset)
+
+
+def _public_stats(stats: RequestStats | None) -> dict:
+    if stats is None:
+        return {}
+    keys = ("mean_accept_length", "accept_lengths", "prefill_time", "decode_wall_time", "draft_time", "verify_time",
+            "decode_tokens_per_second", "ttft", "cached_prompt_tokens")
+    return {k: getattr(stats, k) for k in keys}
