@@ -33,6 +33,17 @@ class Chunk:
     error: str | None = None  # on the last chunk of a request that finished with "error": why
 
 
+@dataclass(slots=True)
+class EngineLoad:
+    """A snapshot of how busy an engine is (read by attribute across Serve)."""
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    held_leases: int
+
+
 class AsyncEngine:
     def __init__(self, engine: DLiteEngine):
         self.engine = engine
@@ -69,11 +80,14 @@ class AsyncEngine:
             if not done.is_set() and seq_holder:
                 self._inbox.put(("abort", seq_holder[0].request_id))
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineLoad:
         blocks = self.engine.runner.blocks
-        return {"running": len(self.engine.scheduler.running), "waiting": len(self.engine.scheduler.waiting),
-                "kv_blocks_used": blocks.num_used_blocks, "kv_blocks_total": blocks.num_blocks,
-                "held_leases": len(self.held_leases)}
+        return EngineLoad(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting),
+                          blocks.num_used_blocks, blocks.num_blocks, len(self.held_leases))
+
+    def is_alive(self) -> bool:
+        """Whether the engine loop thread still runs."""
+        return self._thread.is_alive()
 
     @property
     def held_leases(self) -> tuple[str, ...]:

@@ -85,7 +85,7 @@ def test_async_engine_pins_and_releases_between_steps(tiny_target, tiny_draft):
     try:
         asyncio.run(turn())
         # visible as soon as the reply is: a router asking right away must see the pin
-        assert engine.held_leases == ("conv-a",) and engine.stats()["held_leases"] == 1
+        assert engine.held_leases == ("conv-a",) and engine.stats().held_leases == 1
         deadline = time.time() + 5
         engine.release_lease("conv-a")
         while engine.held_leases and time.time() < deadline:
