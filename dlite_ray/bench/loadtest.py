@@ -137,7 +137,7 @@ def local_app(engine_args, tenants: int, limits: dict | None = None) -> Iterator
             serve.run(build_app(args), name="dlite", route_prefix="/")
             if engine_args.draft != "none" and engine_args.disaggregated_draft:
                 worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
-                while not worker.stats.remote().result()["draft_connected"]:  # measure DLite, not its fallback
+                while not worker.stats.remote().result().draft_connected:  # measure DLite, not its fallback
                     time.sleep(0.5)
             yield api_keys
         finally:
@@ -165,8 +165,7 @@ def run(args) -> dict:
                          turns=args.turns, one_shot_fraction=args.one_shot_fraction,
                          sampled_fraction=args.sampled_fraction, seed=args.seed,
                          api_keys=[k for k in (args.api_keys or "").split(",") if k])
-    draft = None if args.draft == "none" else args.draft
-    engine = DLiteEngine.from_pretrained(args.target, draft, dtype=args.dtype, adaptive_draft_length=False)
+    engine = DLiteEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, adaptive_draft_length=False)
     out = Path(args.out) / "loadtest.json"
     if args.connect:
         cfg.http_url, cfg.grpc_address = f"http://{args.connect}:{args.http_port}", f"{args.connect}:{args.grpc_port}"

@@ -44,13 +44,13 @@ def run(args) -> dict:
             "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
     serve.run(build_app(AppArgs(engine=EngineArgs(disaggregated_draft=True))), name="dlite", route_prefix="/")
     worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
-    while not worker.stats.remote().result()["draft_connected"]:
+    while not worker.stats.remote().result().draft_connected:
         time.sleep(0.5)
     stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
     _grpc_run(stub, items[0].messages, 8)
     library.generate(items[0].messages, max_new_tokens=8)
     served, lib, rounds = [], [], 0
-    comm_before = worker.stats.remote().result()["draft_comm_time_s"]
+    comm_before = worker.stats.remote().result().draft_comm_time_s
     for item in items:
         for _ in range(args.repeats):
             tps, _ = _grpc_run(stub, item.messages, args.max_new_tokens)
@@ -58,7 +58,7 @@ def run(args) -> dict:
             r = library.generate(item.messages, max_new_tokens=args.max_new_tokens)[0]
             lib.append(r.stats.decode_tokens_per_second)
             rounds += len(r.stats.accept_lengths)
-    comm = worker.stats.remote().result()["draft_comm_time_s"] - comm_before
+    comm = worker.stats.remote().result().draft_comm_time_s - comm_before
     serve.shutdown()
     ray.shutdown()
     out = {"grpc_tps_median": statistics.median(served), "library_tps_median": statistics.median(lib),

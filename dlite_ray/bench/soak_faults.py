@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Protocol
 
+from dlite_ray.serve.worker_messages import WorkerStats
+
 log = logging.getLogger(__name__)
 
 FAULT_KINDS = ("draft", "target_worker", "ingress", "router")
@@ -177,7 +179,7 @@ class RayFaults:
 
         if kind == "draft":
             stats = self._worker_stats()
-            self._draft_restarts = stats["draft_restarts"]
+            self._draft_restarts = stats.draft_restarts
             if not self.worker.kill_draft.remote().result(timeout_s=self.timeout_s):
                 raise RuntimeError("the TargetWorker has no draft actor to kill")
             return f"draft of TargetWorker {stats['replica']} (restarts so far: {self._draft_restarts})"
@@ -190,19 +192,19 @@ class RayFaults:
     def recovered(self, kind: str, target: str) -> bool:
         if kind == "draft":
             stats = self._worker_stats()
-            return stats["draft_connected"] and stats["draft_restarts"] > self._draft_restarts
+            return stats.draft_connected and stats.draft_restarts > self._draft_restarts
         if not [n for n in self.replicas(DEPLOYMENTS[kind]) if n != target]:
             return False
         if kind == "target_worker":
             stats = self._worker_stats()
-            return not self.draft or stats["draft_connected"]
+            return not self.draft or stats.draft_connected
         if kind == "ingress":
             import requests
 
             return requests.get(f"{self.http_url}/healthz", timeout=self.timeout_s).status_code == 200
         return self._router_answers()
 
-    def _worker_stats(self) -> dict:
+    def _worker_stats(self) -> WorkerStats:
         return self.worker.stats.remote().result(timeout_s=self.timeout_s)
 
     def _router_answers(self) -> bool:

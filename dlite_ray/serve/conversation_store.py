@@ -22,8 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.conversation_db import CLOSED, EVICTED, GENERATING, PAUSED, open_db
 from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound
+from dlite_ray.serve.request_limits import check_prompt_chars
 from dlite_ray.serve.turn_claims import MAX_IDEMPOTENCY_KEY_CHARS, UNRENEWED_CLAIM_S
 
 __all__ = ["CLOSED", "EVICTED", "GENERATING", "PAUSED", "Conversation", "ConversationStore", "TurnOutcome"]
@@ -72,13 +74,16 @@ class ConversationStore:
 
     def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict[str, str]], *,
                    holder: str | None = None, claim_s: float = UNRENEWED_CLAIM_S,
-                   idempotency_key: str | None = None, now: float | None = None) -> Conversation:
+                   idempotency_key: str | None = None, limits: LimitArgs | None = None,
+                   now: float | None = None) -> Conversation:
         """Append the new messages and claim the conversation for one generation, for
         `holder` until `claim_s` from now (a claim whose deadline passed is taken over).
 
         With an `idempotency_key` seen before on this conversation: a finished turn is not
         run again (the result carries `replayed`, the messages are not appended); a turn
-        that failed is claimed again without appending its messages a second time."""
+        that failed is claimed again without appending its messages a second time.
+        `limits`: a history that would pass `max_prompt_chars` is refused (PayloadTooLarge)
+        before anything is appended."""
         now = time.time() if now is None else now
         digest = _digest(messages)
         with self._lock, self._transaction():
@@ -94,8 +99,10 @@ class ConversationStore:
                 self._check_claimable(conv, now)
                 if version != conv.version:
                     raise ConversationBusy(f"the turn of this idempotency key on {conversation_id} was superseded")
+                _check_history(conv.messages, limits)
             else:
                 self._check_claimable(conv, now)
+                _check_history(conv.messages + messages, limits)
                 conv.messages += messages
             conv.version += 1
             conv.state, conv.claim_holder, conv.claim_deadline = GENERATING, holder, now + claim_s
@@ -146,6 +153,25 @@ class ConversationStore:
             if version is not None and (conv.version != version or conv.state != GENERATING):
                 return False
             self._release(conv)
+            return True
+
+    def refuse_turn(self, tenant: str, conversation_id: str, version: int, messages: list[dict[str, str]]) -> bool:
+        """Turn `version` was refused before it generated (the engine found the request
+        invalid, e.g. the history over the context): the conversation returns to where it
+        was, as if the turn had never begun. Its `messages` leave the history, its version
+        and idempotency key are forgotten (a retry appends again), and a KV hold it had
+        stays. Whether anything changed (not when another turn took over)."""
+        with self._lock, self._transaction():
+            conv = self._load(tenant, conversation_id)
+            if conv.version != version or conv.state != GENERATING:
+                return False
+            if messages and conv.messages[-len(messages):] == messages:
+                del conv.messages[-len(messages):]
+            self._db.execute("DELETE FROM turn_keys WHERE conversation_id = ? AND version = ?", (conv.id, version))
+            conv.version -= 1
+            conv.state = PAUSED if conv.replica is not None else EVICTED
+            conv.claim_holder = conv.claim_deadline = None
+            self._save(conv)
             return True
 
     def delete(self, tenant: str, conversation_id: str) -> Conversation:
@@ -253,6 +279,11 @@ class ConversationStore:
 
 def _row(row: tuple) -> Conversation:
     return Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6]), row[7], row[8])
+
+
+def _check_history(messages: list[dict[str, str]], limits: LimitArgs | None) -> None:
+    if limits is not None:
+        check_prompt_chars(messages, limits, "the conversation's history and this turn's messages")
 
 
 def _digest(messages: list[dict[str, str]]) -> str:

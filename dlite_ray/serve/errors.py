@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import grpc
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from dlite_ray.engine.sequence import InvalidRequest
 
+log = logging.getLogger(__name__)
 MAX_ERROR_CHARS = 1024
 
 
@@ -14,6 +18,14 @@ class ServeError(Exception):
     http_status = 500
     grpc_code = grpc.StatusCode.INTERNAL
     error_type = "server_error"
+
+
+class InternalError(ServeError):
+    """Anything that is not a client error: the client sees only its id."""
+
+    def __init__(self, message: str, error_id: str):
+        super().__init__(message)
+        self.error_id = error_id
 
 
 class BadRequest(ServeError):
@@ -72,13 +84,19 @@ def unwrap(exc: Exception) -> Exception:
 
 
 def as_serve_error(exc: Exception) -> ServeError:
+    """The typed error a client sees. Only client errors (ServeError's kin, the engine's
+    InvalidRequest) say what went wrong; anything else (a ValueError from a checkpoint, a
+    bug) is a 500 whose body names only an error id, logged here with the traceback."""
+    exc = unwrap(exc)
     if isinstance(exc, ServeError):
         return exc
-    if isinstance(exc, (InvalidRequest, ValueError)):
+    if isinstance(exc, InvalidRequest):
         return BadRequest(str(exc))
     if isinstance(exc, (ActorDiedError, ActorUnavailableError, RayActorError)):
         return ReplicaUnavailable("the serving replica went away mid-request; retry")
-    return ServeError("internal error")
+    error_id = uuid.uuid4().hex[:16]
+    log.error("internal error %s", error_id, exc_info=exc)
+    return InternalError(f"internal error (id {error_id}); the server's log has the details", error_id)
 
 
 def error_message(err: ServeError) -> str:
@@ -89,4 +107,7 @@ def error_message(err: ServeError) -> str:
 
 
 def openai_error_body(err: ServeError) -> dict:
-    return {"error": {"message": error_message(err), "type": err.error_type, "code": err.http_status}}
+    body = {"message": error_message(err), "type": err.error_type, "code": err.http_status}
+    if isinstance(err, InternalError):
+        body["id"] = err.error_id
+    return {"error": body}

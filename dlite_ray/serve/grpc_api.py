@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import asdict
 
-from dlite_ray.serve.errors import as_serve_error, error_message, unwrap
+from dlite_ray.serve.errors import as_serve_error, error_message
 from dlite_ray.serve.grpc_requests import parse_grpc_append, parse_grpc_create, parse_grpc_generate
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.proto import dlite_pb2
@@ -29,8 +30,8 @@ class GrpcMethods:
             return
         with slot:  # a cancelled RPC closes this generator, which releases the slot
             try:
-                await self.worker.encode.remote(parsed.prompt)
-                async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
+                chunks, _ = await self._start(parsed.prompt, parsed.params)  # a refused request: no chunk sent
+                async for chunk in held_for_tool_calls(chunks, parsed.tools):
                     yield proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001
                 yield self._grpc_error(grpc_context, exc)
@@ -47,7 +48,7 @@ class GrpcMethods:
             stats = await self.probe.stats()
             body = {"status": "ok" if stats is not None else "unavailable"}
             if full:
-                body |= {"worker": stats, "ingress": self.metrics.snapshot()}
+                body |= {"worker": asdict(stats) if stats is not None else None, "ingress": self.metrics.snapshot()}
             return dlite_pb2.ServerStats(json=json.dumps(body))
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.ServerStats())
@@ -97,7 +98,7 @@ class GrpcMethods:
         return self.keys.tenant(_metadata(context).get("authorization"))
 
     def _grpc_fail(self, context, exc: Exception, empty):
-        err = as_serve_error(unwrap(exc))
+        err = as_serve_error(exc)
         self.metrics.error(err)
         if context is not None:
             context.set_code(err.grpc_code)

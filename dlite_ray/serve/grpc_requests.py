@@ -27,7 +27,6 @@ def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
     """A dlite.v1.GenerateRequest: chat messages if any, else the raw prompt."""
     check_grpc_request(request, limits)
     body = _grpc_sampling_body(request)
-    body["top_k"] = request.top_k
     if request.messages:
         body |= {"messages": _grpc_messages(request.messages), "tools": _grpc_tools(request.tools),
                  "tool_choice": _grpc_tool_choice(request.tool_choice)}
@@ -65,8 +64,11 @@ def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
 
 
 def _grpc_sampling_body(request) -> dict:
+    """The sampling fields GenerateRequest and AppendRequest share, as OpenAI's body has them."""
     body: dict[str, Any] = {"max_tokens": request.max_tokens or None, "temperature": request.temperature,
-                            "top_p": request.top_p or 1.0, "stop": list(request.stop)}
+                            "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),
+                            "verify_mode": request.verify_mode or None, "ignore_eos": request.ignore_eos,
+                            "stop_token_ids": list(request.stop_token_ids)}
     if request.seed:
         body["seed"] = request.seed
     if request.json_schema:

@@ -11,8 +11,10 @@ as soon as it is too long to be parsed as calls).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from dlite_ray.serve.tool_calls import CALL, MAX_PARSED_CHARS, TEXT, Tool, ToolCall, reply_calls, reply_start
+from dlite_ray.serve.worker_messages import GenerateChunk
 
 
 class HeldReply:
@@ -56,19 +58,18 @@ class HeldReply:
         return out
 
 
-async def held_for_tool_calls(chunks: AsyncIterator[dict], tools: tuple[Tool, ...]) -> AsyncIterator[dict]:
+async def held_for_tool_calls(chunks: AsyncIterator[GenerateChunk],
+                              tools: tuple[Tool, ...]) -> AsyncIterator[GenerateChunk]:
     """A reply's chunks with their text and logprob entries held back while the reply may
     become calls to `tools` (`raw_text` keeps each chunk's text as generated). The last chunk
     carries `tool_calls`: the calls, with finish reason "tool_calls", or None for text (and
     for a reply that failed: its finish reason stays "error")."""
     held = HeldReply(tools)
     async for chunk in chunks:
-        text, entries = held.push(chunk["text"], chunk["logprobs"] or [])
+        text, entries = held.push(chunk.text, chunk.logprobs or [])
         calls = None
-        if chunk["finished"]:
-            rest, more, calls = held.finish(failed=chunk["finish_reason"] == "error")
+        if chunk.finished:
+            rest, more, calls = held.finish(failed=chunk.finish_reason == "error")
             text, entries = text + rest, entries + more
-        out = {**chunk, "text": text, "logprobs": entries, "tool_calls": calls, "raw_text": chunk["text"]}
-        if calls:
-            out["finish_reason"] = "tool_calls"
-        yield out
+        yield replace(chunk, text=text, logprobs=entries, tool_calls=calls, raw_text=chunk.text,
+                      finish_reason="tool_calls" if calls else chunk.finish_reason)

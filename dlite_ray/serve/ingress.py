@@ -12,11 +12,13 @@ sizes are checked before any tokenizing, and parsing runs off the event loop. /h
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from dlite_ray.engine.engine import Prompt
+from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.serve.affinity_router import prefix_key
 from dlite_ray.serve.auth import KeyRing
 from dlite_ray.serve.config import AppArgs
@@ -25,9 +27,9 @@ from dlite_ray.serve.errors import OutputFailed
 from dlite_ray.serve.grpc_api import GrpcMethods
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.openai_api import OpenAIRoutes, app
-from dlite_ray.serve.request_types import ParsedRequest
 from dlite_ray.serve.tenant_limits import TenantLimits
 from dlite_ray.serve.turn_claims import holder_identity
+from dlite_ray.serve.worker_messages import GenerateChunk
 from dlite_ray.serve.worker_probe import WorkerProbe
 
 
@@ -40,21 +42,57 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
         self.probe = WorkerProbe(lambda: self.worker.stats.remote(), args.worker_probe_timeout_s,
                                  args.worker_probe_ttl_s, registry=self.metrics.registry)
         self.holder = holder_identity()  # who holds a conversation's turn: this replica
-        self.turns = ConversationTurns(router, worker, self.holder, args.limits, self._generate)
+        self.turns = ConversationTurns(router, self.holder, self._start)
 
-    async def _generate(self, parsed: ParsedRequest, route_to: str | None = None,
-                        conversation: str | None = None) -> AsyncIterator[dict]:
-        params = {f: getattr(parsed.params, f)
-                  for f in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "grammar")}
+    async def _start(self, prompt: Prompt, params: SamplingParams, route_to: str | None = None,
+                     conversation: str | None = None) -> tuple[AsyncIterator[GenerateChunk], Callable[[], None]]:
+        """Send one request to a TargetWorker and wait for its first chunk: the replica that
+        runs it tokenizes and validates it, and a request it refuses (InvalidRequest: over
+        the context, a grammar it cannot use) raises here, before a caller commits to a
+        response (a 200 stream that would only then fail). Returns the reply's chunks (the
+        first included) and `cancel`, for a caller that drops them unread.
+
+        Why wait for the first token rather than an "accepted" chunk sent before prefill:
+        the engine validates a request in two places (the prompt's tokens on the caller's
+        side, the KV budget and grammar on its step thread), so only its first output says
+        that it was accepted; a stream's client sees nothing sooner either way."""
         started = time.perf_counter()
-        stream = self.worker.options(stream=True).generate.remote(
-            parsed.prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(parsed.prompt))
-        async for chunk in stream:
-            if chunk["finished"]:
-                self.metrics.finished(chunk["stats"], time.perf_counter() - started)
-                if chunk.get("error"):  # finish_reason "error": the output grammar failed mid-reply
-                    raise OutputFailed(chunk["error"], chunk.get("replica"))
-            yield chunk
+        stream = _WorkerStream(self.worker.options(stream=True).generate.remote(
+            prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(prompt)))
+        try:
+            first = await anext(stream.chunks, None)
+        except BaseException:
+            stream.close()
+            raise
+        if first is None:
+            raise RuntimeError("the TargetWorker's stream ended without a chunk")
+        return self._chunks(first, stream, started), stream.close
+
+    async def _chunks(self, first: GenerateChunk, stream: _WorkerStream, started: float) -> AsyncIterator[GenerateChunk]:
+        try:
+            chunk = first
+            while chunk is not None:
+                if chunk.finished:
+                    stream.finished = True
+                    self.metrics.finished(chunk.stats, time.perf_counter() - started)
+                    if chunk.error:  # finish_reason "error": the output grammar failed mid-reply
+                        raise OutputFailed(chunk.error, chunk.replica)
+                yield chunk
+                chunk = await anext(stream.chunks, None)
+        finally:
+            stream.close()  # the caller went away mid-reply: stop generating it
+
+
+class _WorkerStream:
+    """A request's stream from a TargetWorker; `close` cancels it unless it finished."""
+
+    def __init__(self, chunks: DeploymentResponseGenerator):
+        self.chunks, self.finished = chunks, False
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.chunks.cancel()
 
 
 DLiteIngressDeployment = serve.deployment(serve.ingress(app)(DLiteIngress), name="DLiteIngress")

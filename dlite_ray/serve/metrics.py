@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.errors import ServeError
+from dlite_ray.serve.worker_messages import WorkerStats
 
 
 class Metrics:
@@ -44,13 +45,13 @@ class Metrics:
     def error(self, err: ServeError) -> None:
         self.errors.labels(type(err).__name__).inc()
 
-    def set_worker_stats(self, stats: dict) -> None:
-        self.kv_used.set(stats.get("kv_blocks_used", 0))
-        self.kv_total.set(stats.get("kv_blocks_total", 0))
-        self.running.set(stats.get("running", 0))
-        self.comm_time.set(stats.get("draft_comm_time_s", 0.0))
-        self.draft_connected.set(1 if stats.get("draft_connected") else 0)
-        self.draft_restarts.set(stats.get("draft_restarts", 0))
+    def set_worker_stats(self, stats: WorkerStats) -> None:
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.running.set(stats.running)
+        self.comm_time.set(stats.draft_comm_time_s)
+        self.draft_connected.set(1 if stats.draft_connected else 0)
+        self.draft_restarts.set(stats.draft_restarts)
 
     def snapshot(self) -> dict:
         return {"requests": self.requests._value.get(), "tokens": self.tokens._value.get()}

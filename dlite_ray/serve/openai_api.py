@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dlite_ray.engine.request_stats import RequestStats
-from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body, unwrap
+from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.openai_requests import (
@@ -31,6 +31,7 @@ from dlite_ray.serve.request_limits import idempotency_key
 from dlite_ray.serve.request_types import ParsedRequest
 from dlite_ray.serve.tenant_limits import TenantSlot
 from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
+from dlite_ray.serve.worker_messages import GenerateChunk
 
 # no /docs, /redoc or /openapi.json: the API is documented in the repository, not served unauthenticated
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible",
@@ -78,26 +79,28 @@ class OpenAIRoutes:
             tenant = self.keys.tenant(request.headers.get("authorization"))
             parsed = await self._parse(request, parse)
             slot = self.tenant_limits.acquire(tenant)
-            await self.worker.encode.remote(parsed.prompt)  # context-length errors before streaming starts
+            # the replica that runs it validates it: a refused request is a 4xx, not a 200 stream that fails
+            chunks, cancel = await self._start(parsed.prompt, parsed.params)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
             if slot is not None:
                 slot.release()
             return self._error_response(exc)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if parsed.stream:
-            body = self._sse(rid, parsed, chat, slot)
+            body = self._sse(rid, parsed, chat, slot, chunks)
             # A client gone before the server starts the stream leaves the generator unstarted, so
             # its finally never runs; releasing when the generator is collected covers that case.
             weakref.finalize(body, slot.release)
+            weakref.finalize(body, cancel)  # a no-op once the reply finished
             return StreamingResponse(body, media_type="text/event-stream")
         text, finish, stats, n, logprobs = "", None, None, 0, []
         with slot:
             try:
-                async for chunk in self._generate(parsed):
-                    text += chunk["text"]
-                    n += len(chunk["token_ids"])
-                    finish, stats = chunk["finish_reason"] or finish, chunk["stats"] or stats
-                    logprobs += chunk["logprobs"] or []
+                async for chunk in chunks:
+                    text += chunk.text
+                    n += len(chunk.token_ids)
+                    finish, stats = chunk.finish_reason or finish, chunk.stats or stats
+                    logprobs += chunk.logprobs or []
             except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
                 return self._error_response(exc)
         usage = _usage(stats, n)
@@ -110,30 +113,33 @@ class OpenAIRoutes:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
 
-    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, slot: TenantSlot) -> AsyncIterator[str]:
-        """The SSE body; it owns the tenant slot, released however the stream ends (a client
-        disconnect cancels or closes this generator, which runs the finally)."""
+    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, slot: TenantSlot,
+                   chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+        """The SSE body of a reply already accepted (`chunks`); it owns the tenant slot,
+        released however the stream ends (a client disconnect cancels or closes this
+        generator, which runs the finally)."""
         text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
         n, stats = 0, None
         first = chat  # a chat stream's first delta names the role, as OpenAI's do
         try:
-            async for chunk in held_for_tool_calls(self._generate(parsed), parsed.tools):
-                n, stats = n + len(chunk["token_ids"]), chunk["stats"] or stats
-                if not (chunk["text"] or chunk["logprobs"] or chunk["finished"]):
+            async for chunk in held_for_tool_calls(chunks, parsed.tools):
+                n, stats = n + len(chunk.token_ids), chunk.stats or stats
+                if not (chunk.text or chunk.logprobs or chunk.finished):
                     continue  # held back: nothing to send yet
                 choice = _stream_choice(chunk, chat)
                 if first:
                     choice["delta"], first = {"role": "assistant", **choice["delta"]}, False
-                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk["logprobs"], text_offset)
+                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk.logprobs, text_offset)
                 # with include_usage, OpenAI's other chunks carry "usage": null
                 yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))
             if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
                 yield self._sse_chunk(rid, chat, [], usage=_usage(stats, n))
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
-            err = as_serve_error(unwrap(exc))
+            err = as_serve_error(exc)
             yield f"data: {json.dumps(openai_error_body(err))}\n\n"
         finally:
             slot.release()
+            await chunks.aclose()
         yield "data: [DONE]\n\n"
 
     def _sse_chunk(self, rid: str, chat: bool, choices: list[dict], **extra) -> str:
@@ -155,7 +161,7 @@ class OpenAIRoutes:
             return self._error_response(exc)
 
     def _error_response(self, exc: Exception) -> JSONResponse:
-        err = as_serve_error(unwrap(exc))
+        err = as_serve_error(exc)
         self.metrics.error(err)
         return JSONResponse(openai_error_body(err), status_code=err.http_status)
 
@@ -191,10 +197,10 @@ class OpenAIRoutes:
             key = idempotency_key(request.headers.get("idempotency-key"))
             with self.tenant_limits.acquire(tenant):
                 async for chunk in self.turns.run(tenant, conversation_id, turn, key):
-                    text += chunk["text"]
-                    finish, replica = chunk["finish_reason"] or finish, chunk.get("replica") or replica
-                    stats, calls = chunk["stats"] or stats, chunk["tool_calls"] or calls
-                    logprobs += chunk["logprobs"] or []
+                    text += chunk.text
+                    finish, replica = chunk.finish_reason or finish, chunk.replica or replica
+                    stats, calls = chunk.stats or stats, chunk.tool_calls or calls
+                    logprobs += chunk.logprobs or []
             return {"conversation_id": conversation_id, "message": assistant_message(text, calls),
                     "logprobs": None if turn.params.logprobs is None else {"content": logprobs},
                     "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
@@ -214,12 +220,12 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def _stream_choice(chunk: dict, chat: bool) -> dict:
-    if chunk["tool_calls"]:
-        return {"index": 0, "delta": tool_calls_delta(chunk["tool_calls"]), "finish_reason": chunk["finish_reason"]}
+def _stream_choice(chunk: GenerateChunk, chat: bool) -> dict:
+    if chunk.tool_calls:
+        return {"index": 0, "delta": tool_calls_delta(chunk.tool_calls), "finish_reason": chunk.finish_reason}
     if chat:
-        return {"index": 0, "delta": {"content": chunk["text"]}, "finish_reason": chunk["finish_reason"]}
-    return {"index": 0, "text": chunk["text"], "finish_reason": chunk["finish_reason"]}
+        return {"index": 0, "delta": {"content": chunk.text}, "finish_reason": chunk.finish_reason}
+    return {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason}
 
 
 def _usage(stats: RequestStats | None, completion_tokens: int) -> dict:

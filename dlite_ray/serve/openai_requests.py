@@ -13,6 +13,7 @@ from typing import Any
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_calls, grammar_for_schema
+from dlite_ray.runtime.sampling import VERIFY_MODES
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
 from dlite_ray.serve.request_limits import check_message_chars, check_prompt_chars, refuse_not_implemented
@@ -25,6 +26,8 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # torch.Generator seeds are 64
 TOP_K_MAX = (1 << 31) - 1  # top_k becomes an int64 tensor in the batch; gRPC carries int32
 MAX_LOGPROBS = 20  # alternatives a token's logprobs may list (OpenAI's top_logprobs cap)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 4, 256  # OpenAI takes up to 4 stop sequences
+MAX_STOP_TOKEN_IDS = 64
+TOKEN_ID_MAX = (1 << 31) - 1  # gRPC carries int32
 
 
 def decode_json_body(raw: bytes, limits: LimitArgs) -> Any:
@@ -112,7 +115,14 @@ def logprob_count(value: Any, name: str) -> int:
 
 
 def sampling(body: dict, limits: LimitArgs, logprobs: int | None = None) -> SamplingParams:
+    """Every SamplingParams field a client may set: OpenAI's names where OpenAI has the field
+    (max_tokens / max_completion_tokens, temperature, top_p, seed, stop, logprobs,
+    response_format), extensions otherwise (top_k, verify_mode, ignore_eos, stop_token_ids).
+    trace_top_k is refused: a trace has nowhere to go in a response."""
     refuse_not_implemented(body)
+    if body.get("trace_top_k") not in (None, 0) or isinstance(body.get("trace_top_k"), bool):
+        raise BadRequest("trace_top_k is not served: a trace of each output position (tap features, top-k "
+                         "distribution) has nowhere to go in a response; use the library's DLiteEngine")
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
     if max_tokens is None:
         max_tokens = limits.default_max_tokens
@@ -128,12 +138,27 @@ def sampling(body: dict, limits: LimitArgs, logprobs: int | None = None) -> Samp
         raise BadRequest(f"seed must be a 64-bit integer, got {seed!r}")
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k > TOP_K_MAX:
         raise BadRequest(f"top_k must be an integer in [0, {TOP_K_MAX}], got {top_k!r}")
+    verify_mode = body.get("verify_mode")
+    if verify_mode is not None and verify_mode not in VERIFY_MODES:
+        raise BadRequest(f"verify_mode must be one of {', '.join(VERIFY_MODES)} (or null), got {verify_mode!r}")
+    ignore_eos = check_bool(body.get("ignore_eos", False), "ignore_eos")
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              stop=_stop_strings(body.get("stop")), logprobs=logprobs,
+                              verify_mode=verify_mode, stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+                              stop=_stop_strings(body.get("stop")), ignore_eos=ignore_eos, logprobs=logprobs,
                               grammar=_response_format(body.get("response_format")))
     except InvalidRequest as exc:
         raise BadRequest(str(exc)) from exc
+
+
+def _stop_token_ids(raw: Any) -> tuple[int, ...]:
+    """`stop_token_ids` (vLLM's extension): null or a list of up to MAX_STOP_TOKEN_IDS token ids."""
+    ids = [] if raw is None else raw
+    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= TOKEN_ID_MAX for t in ids):
+        raise BadRequest(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids "
+                         f"(integers in [0, {TOKEN_ID_MAX}])")
+    return tuple(ids)
 
 
 def _response_format(raw: Any) -> str | None:

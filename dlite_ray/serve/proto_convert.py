@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.proto import dlite_pb2
+from dlite_ray.serve.worker_messages import GenerateChunk
 
 
-def proto_chunk(chunk: dict) -> dlite_pb2.GenerateChunk:
-    return dlite_pb2.GenerateChunk(text=chunk["text"], token_ids=chunk["token_ids"],
-                                   finish_reason=chunk["finish_reason"] or "", stats=_proto_stats(chunk["stats"]),
-                                   logprobs=[_proto_logprob(e) for e in chunk.get("logprobs") or []],
-                                   tool_calls=[_proto_tool_call(c.openai()) for c in chunk.get("tool_calls") or []])
+def proto_chunk(chunk: GenerateChunk) -> dlite_pb2.GenerateChunk:
+    return dlite_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
+                                   finish_reason=chunk.finish_reason or "", stats=_proto_stats(chunk.stats),
+                                   logprobs=[_proto_logprob(e) for e in chunk.logprobs or []],
+                                   tool_calls=[_proto_tool_call(c.openai()) for c in chunk.tool_calls or []])
 
 
 def _proto_tool_call(call: dict) -> dlite_pb2.ToolCall:

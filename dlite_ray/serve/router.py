@@ -37,7 +37,7 @@ class ConversationRouter:
                  live_actors: Callable[[], set[str] | None] = live_actor_names):
         """`live_actors` names the cluster's live actors (None: unknown); tests inject it."""
         self.worker = worker
-        self.args = args.conversations
+        self.args, self.limits = args.conversations, args.limits
         self.store = ConversationStore(self.args.store_path)
         self._live_actors = live_actors
         self._live: tuple[float, set[str] | None] = (-math.inf, None)
@@ -128,10 +128,13 @@ class ConversationRouter:
             holder that renews it (`renew_turn`); default: longer than any turn.
         idempotency_key: a retry with the same key and messages appends nothing; when that
             turn finished, the result's `replayed` holds its reply and finish reason (do not
-            generate), else the failed turn is claimed again."""
+            generate), else the failed turn is claimed again.
+        A history that would pass max_prompt_chars is refused (PayloadTooLarge) before
+        anything is appended. The result: the conversation, with the whole history to
+        generate from, its `version` (the turn's) and the `replica` that holds its KV."""
         self._ensure_expiry_task()
         begin = partial(self.store.begin_turn, tenant, conversation_id, messages, holder=holder,
-                        claim_s=_claim_s(claim_s), idempotency_key=idempotency_key)
+                        claim_s=_claim_s(claim_s), idempotency_key=idempotency_key, limits=self.limits)
         try:
             conv = begin()
         except ConversationBusy:
@@ -159,19 +162,37 @@ class ConversationRouter:
         return self.store.renew_turn(tenant, conversation_id, version, _claim_s(claim_s))
 
     async def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
-                          lease_s: float | None, finish_reason: str | None = None) -> dict:
+                          lease_s: float | None, finish_reason: str | None = None,
+                          evicted: list[str] = ()) -> dict:
+        """Store the turn's reply (the conversation pauses, its KV pinned on `replica` for
+        the lease). `evicted`: conversations whose KV `replica` gave up while it ran the
+        turn (this one's is pinned again by its reply)."""
         lease = min(lease_s or self.args.default_lease_s, self.args.max_lease_s)
         previous = self.store.get(tenant, conversation_id).replica
         conv = self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease, finish_reason)
         if previous is not None and previous != replica:  # the turn moved: unpin the old copy
             await self._release(conversation_id, previous)
+        evicted = [c for c in evicted if c != conversation_id]
+        if evicted and replica is not None:
+            self.store.mark_evicted(evicted, replica)
         return _public(conv)
 
-    async def abandon_turn(self, tenant: str, conversation_id: str, version: int | None = None) -> None:
-        """End a failed turn; with `version`, only if that turn still holds the conversation."""
+    async def abandon_turn(self, tenant: str, conversation_id: str, version: int | None = None,
+                           pinned_on: str | None = None) -> None:
+        """End a failed turn; with `version`, only if that turn still holds the conversation.
+        `pinned_on`: a replica that finished the failed reply (its KV is pinned there under
+        the conversation's lease), told to release it too."""
         previous = self.store.get(tenant, conversation_id).replica
         if self.store.abandon_turn(tenant, conversation_id, version):
             await self._release(conversation_id, previous)
+        if pinned_on is not None and pinned_on != previous:
+            await self._release(conversation_id, pinned_on)
+
+    async def refuse_turn(self, tenant: str, conversation_id: str, version: int, messages: list[dict]) -> None:
+        """Turn `version` was refused before generating (an invalid request): its messages
+        leave the history and the conversation is as it was before the turn
+        (`ConversationStore.refuse_turn`)."""
+        self.store.refuse_turn(tenant, conversation_id, version, messages)
 
     async def delete(self, tenant: str, conversation_id: str) -> bool:
         conv = self.store.delete(tenant, conversation_id)

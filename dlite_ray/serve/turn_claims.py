@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from dlite_ray.serve.errors import ConversationBusy, ConversationNotFound
+from dlite_ray.serve.worker_messages import GenerateChunk
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,8 @@ def holder_gone(holder: str | None, live: set[str] | None) -> bool:
     return live is not None and holder is not None and holder.startswith(SERVE_REPLICA_PREFIX) and holder not in live
 
 
-async def renewed(chunks: AsyncIterator[dict], renew: Callable[[], Awaitable[object]],
-                  claim_s: float = RENEWED_CLAIM_S) -> AsyncIterator[dict]:
+async def renewed(chunks: AsyncIterator[GenerateChunk], renew: Callable[[], Awaitable[object]],
+                  claim_s: float = RENEWED_CLAIM_S) -> AsyncIterator[GenerateChunk]:
     """`chunks`, with the turn's claim renewed every `claim_s / 3` seconds while they stream
     (also while one chunk is slow: a long prefill). A claim found lost (another turn took
     over after its deadline) ends the stream with ConversationBusy; a renewal that fails
@@ -86,9 +87,8 @@ def _claim_lost(exc: BaseException) -> bool:
     return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
 
 
-def replay_chunk(replayed: dict) -> dict:
+def replay_chunk(replayed: dict) -> GenerateChunk:
     """The one, last chunk of a turn replayed from its idempotency key, shaped like a
     TargetWorker's (`replayed` as returned in `begin_turn`'s result)."""
-    return {"token_ids": [], "text": replayed["reply"], "logprobs": None, "finished": True,
-            "finish_reason": replayed["finish_reason"] or "stop", "stats": None, "replica": None, "evicted": [],
-            "replayed": True}
+    return GenerateChunk([], replayed["reply"], finished=True, finish_reason=replayed["finish_reason"] or "stop",
+                         replayed=True)

@@ -17,18 +17,20 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from dlite_ray.serve.worker_messages import WorkerStats
+
 log = logging.getLogger(__name__)
 
 
 class WorkerProbe:
-    def __init__(self, ask: Callable[[], Awaitable[dict]], timeout_s: float, ttl_s: float,
+    def __init__(self, ask: Callable[[], Awaitable[WorkerStats]], timeout_s: float, ttl_s: float,
                  registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic):
         self._ask, self.timeout_s, self.ttl_s, self._clock = ask, timeout_s, ttl_s, clock
-        self._answer: tuple[float, dict | None] | None = None  # (when, stats or None)
+        self._answer: tuple[float, WorkerStats | None] | None = None  # (when, stats or None)
         self._pending: asyncio.Future | None = None
         self.up = Gauge("dlite_worker_up", "1 when a TargetWorker answered the last probe in time", registry=registry)
 
-    async def stats(self) -> dict | None:
+    async def stats(self) -> WorkerStats | None:
         """A worker's stats (`TargetWorker.stats`), or None when none answered within `timeout_s`."""
         if self._answer is not None and self._clock() - self._answer[0] < self.ttl_s:
             return self._answer[1]
@@ -37,7 +39,7 @@ class WorkerProbe:
         # shielded: a caller that goes away does not cancel the call others wait on
         return await asyncio.shield(self._pending)
 
-    async def _probe(self) -> dict | None:
+    async def _probe(self) -> WorkerStats | None:
         try:
             stats = await asyncio.wait_for(self._ask(), self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - timed out, replica gone, call failed: all read as unavailable

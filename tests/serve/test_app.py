@@ -37,7 +37,7 @@ def _wait_for_draft(serve_app, timeout=60):
     worker = _worker(serve_app)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if worker.stats.remote().result()["draft_connected"]:
+        if worker.stats.remote().result().draft_connected:
             return
         time.sleep(0.5)
     raise AssertionError("the draft worker never connected")
@@ -60,7 +60,7 @@ def test_cpu_workers_run_on_the_threads_configured(serve_app):
     _wait_for_draft(serve_app)
     stats = _worker(serve_app).stats.remote().result()
     _, args = serve_app
-    assert (stats["cpu_threads"], stats["draft_cpu_threads"]) == (args.engine.cpu_threads, 1) == (2, 1)
+    assert (stats.cpu_threads, stats.draft_cpu_threads) == (args.engine.cpu_threads, 1) == (2, 1)
 
 
 @pytest.mark.parametrize(("payload", "share"), [("dist", 1), ("host", 0.5)])
@@ -425,7 +425,7 @@ def test_killing_the_draft_actor_mid_stream_still_completes(serve_app, reference
             text += json.loads(line[6:])["choices"][0]["delta"]["content"]
     assert text == reference.text
     _wait_for_draft(serve_app, timeout=120)  # restarted and reconnected
-    assert worker.stats.remote().result()["draft_restarts"] >= 1
+    assert worker.stats.remote().result().draft_restarts >= 1
     again = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, headers=AUTH_A,
                       timeout=120)
     assert again.json()["choices"][0]["message"]["content"] == reference.text

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from dlite_ray.serve.config import AppArgs
+from dlite_ray.serve.config import AppArgs, LimitArgs
 from dlite_ray.serve.conversation_store import EVICTED, GENERATING, PAUSED, ConversationStore, TurnOutcome
-from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound
+from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound, PayloadTooLarge
 from dlite_ray.serve.router import ConversationRouter
 from dlite_ray.serve.turn_claims import replay_chunk
 
@@ -151,7 +151,7 @@ def test_the_router_hands_the_replayed_outcome_to_the_ingress(tmp_path):
         await router.finish_turn("a", conv["id"], first["version"], "hi", None, None, finish_reason="stop")
         retry = await router.begin_turn("a", conv["id"], TOOL, idempotency_key="k1")
         assert retry["replayed"] == {"reply": "hi", "finish_reason": "stop"}
-        assert replay_chunk(retry["replayed"])["text"] == "hi"
+        assert replay_chunk(retry["replayed"]).text == "hi"
         assert "replayed" not in await router.get("a", conv["id"])
         return retry
 
@@ -220,3 +220,30 @@ def test_a_file_of_the_first_layout_is_migrated_and_its_stuck_turns_end(tmp_path
     reopened = ConversationStore(path)  # the migration runs once
     assert reopened.get("a", "stuck").state == GENERATING
     assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (1,)
+
+
+def test_a_refused_turn_leaves_the_conversation_as_it_was(tmp_path):
+    """The engine refused the turn (over the context) after begin_turn appended its messages:
+    refuse_turn takes them out, the version back and the key away (a retry appends again),
+    and the KV hold stays."""
+    store = ConversationStore(tmp_path / "c.db")
+    conv = store.create("a", HELLO)
+    store.begin_turn("a", conv.id, [])
+    store.finish_turn("a", conv.id, 1, "hi", "r1", 60)
+    store.begin_turn("a", conv.id, TOOL, idempotency_key="k1")
+    assert store.refuse_turn("a", conv.id, 2, TOOL)
+    after = store.get("a", conv.id)
+    assert (after.messages, after.version, after.state, after.replica) == (HELLO + [
+        {"role": "assistant", "content": "hi"}], 1, PAUSED, "r1")
+    retry = store.begin_turn("a", conv.id, TOOL, idempotency_key="k1")
+    assert retry.replayed is None and retry.messages[-1] == TOOL[-1] and retry.version == 2
+    assert not store.refuse_turn("a", conv.id, 1, TOOL)  # not the turn holding it: nothing changes
+
+
+def test_begin_turn_refuses_a_history_over_max_prompt_chars_before_appending(tmp_path):
+    store = ConversationStore(tmp_path / "c.db")
+    conv = store.create("a", HELLO)
+    limits = LimitArgs(max_prompt_chars=sum(len(m["content"]) for m in HELLO) + 1)
+    with pytest.raises(PayloadTooLarge, match="max_prompt_chars"):
+        store.begin_turn("a", conv.id, [{"role": "tool", "content": "xx"}], limits=limits)
+    assert store.get("a", conv.id).messages == HELLO and store.get("a", conv.id).version == 0

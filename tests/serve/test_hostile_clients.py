@@ -10,14 +10,17 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import replace
 
 import grpc
 import pytest
 import requests
 
 from dlite_ray.engine.request_stats import RequestStats
+from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
+from dlite_ray.serve.worker_messages import GenerateChunk, WorkerStats
 from tests.serve.conftest import GRPC_PORT, HTTP_PORT
 
 APP = "hostile"
@@ -37,20 +40,18 @@ class FakeWorker:
     def __init__(self):
         self.released = asyncio.Event()
         self.silent = False
-        self.encoded = 0
+        self.generated = 0  # requests that reached the worker (where they would be tokenized)
         self.holding = 0
         self.released_leases: list[str] = []
 
-    async def encode(self, prompt) -> list[int]:
-        self.encoded += 1
-        return [1, 2, 3]
-
-    async def generate(self, prompt, params: dict, route_to=None, conversation=None, prefix_key=None):
+    async def generate(self, prompt, params: SamplingParams, route_to=None, conversation=None, prefix_key=None):
+        assert isinstance(params, SamplingParams)
+        self.generated += 1
         yield _chunk("x", finished=False)
         if isinstance(prompt, list) and prompt[-1].get("content") == "grammar fails":  # as the worker ends a
             # reply whose grammar failed
-            yield {**_chunk('"', finished=True), "finish_reason": "error",
-                   "error": "the output grammar failed: lexer error: too many expressions constructed"}
+            yield replace(_chunk('"', finished=True), finish_reason="error",
+                          error="the output grammar failed: lexer error: too many expressions constructed")
             return
         if "hold" in json.dumps(prompt):
             self.holding += 1
@@ -60,11 +61,11 @@ class FakeWorker:
                 self.holding -= 1
         yield _chunk("y", finished=True)
 
-    async def stats(self, route_to=None) -> dict:
+    async def stats(self, route_to=None) -> WorkerStats:
         if self.silent:
             await asyncio.Event().wait()  # as a dead replica: the call never returns
-        return {"running": self.holding, "waiting": 0, "kv_blocks_used": 0, "kv_blocks_total": 8, "held_leases": 0,
-                "replica": "fake-replica", "draft_connected": True, "draft_restarts": 0, "draft_comm_time_s": 0.0}
+        return WorkerStats(replica="fake-replica", running=self.holding, waiting=0, kv_blocks_used=0,
+                           kv_blocks_total=8, held_leases=0, draft_connected=True)
 
     async def release_lease(self, conversation, route_to=None, strict=True) -> str:
         self.released_leases.append(conversation)
@@ -74,7 +75,7 @@ class FakeWorker:
         return self.released_leases
 
     async def counts(self) -> dict:
-        return {"encoded": self.encoded, "holding": self.holding}
+        return {"generated": self.generated, "holding": self.holding}
 
     async def release(self) -> None:
         self.released.set()
@@ -83,11 +84,10 @@ class FakeWorker:
         self.silent = silent
 
 
-def _chunk(text: str, finished: bool) -> dict:
+def _chunk(text: str, finished: bool) -> GenerateChunk:
     stats = RequestStats(num_prompt_tokens=3, num_output_tokens=2, accept_lengths=[1])
-    return {"token_ids": [7], "text": text, "logprobs": None, "finished": finished,
-            "finish_reason": "stop" if finished else None, "stats": stats if finished else None,
-            "replica": "fake-replica" if finished else None, "evicted": []}
+    return GenerateChunk([7], text, finished, "stop" if finished else None, stats=stats if finished else None,
+                         replica="fake-replica" if finished else None)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +178,7 @@ def test_a_tenant_over_its_limit_is_refused_at_once_and_others_are_served_meanwh
 
 # -- 2: sizes before any tokenizing ------------------------------------------------------------
 def test_oversized_prompts_and_histories_are_refused_before_anything_is_tokenized(fake_worker):
-    encoded = fake_worker.counts.remote().result()["encoded"]
+    generated = fake_worker.counts.remote().result()["generated"]
     big = [{"role": "user", "content": "x" * (LIMITS.max_message_chars + 1)}]
     many = [{"role": "user", "content": "x" * LIMITS.max_message_chars}] * 3  # each fits, not all of them
     for messages, limit in ((big, "max_message_chars"), (many, "max_prompt_chars")):
@@ -203,7 +203,7 @@ def test_oversized_prompts_and_histories_are_refused_before_anything_is_tokenize
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(flood, metadata=GRPC_A, timeout=HANG_GUARD_S))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_body_bytes" in err.value.details()
-    assert fake_worker.counts.remote().result()["encoded"] == encoded  # none of it reached a tokenizer
+    assert fake_worker.counts.remote().result()["generated"] == generated  # none of it reached a worker
 
     # a history that fits, and a turn that would take it over the limit: refused, history untouched
     near = [{"role": "user", "content": "x" * LIMITS.max_message_chars}] * 2
@@ -215,7 +215,7 @@ def test_oversized_prompts_and_histories_are_refused_before_anything_is_tokenize
     assert turn.status_code == 413 and "max_prompt_chars" in turn.json()["error"]["message"], turn.text
     stored = requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=HANG_GUARD_S).json()
     assert stored["version"] == 0 and len(stored["messages"]) == 2
-    assert fake_worker.counts.remote().result()["encoded"] == encoded
+    assert fake_worker.counts.remote().result()["generated"] == generated
 
 
 # -- 3: ids -----------------------------------------------------------------------------------------

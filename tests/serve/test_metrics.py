@@ -4,6 +4,12 @@ answered, and how often the link brought it back."""
 from __future__ import annotations
 
 from dlite_ray.serve.metrics import Metrics
+from dlite_ray.serve.worker_messages import WorkerStats
+
+
+def _stats(connected: bool, restarts: int) -> WorkerStats:
+    return WorkerStats(replica="r", running=1, waiting=0, kv_blocks_used=3, kv_blocks_total=8, held_leases=0,
+                       draft_connected=connected, draft_restarts=restarts)
 
 
 def _gauge(text: str, name: str) -> float:
@@ -13,9 +19,10 @@ def _gauge(text: str, name: str) -> float:
 
 def test_draft_state_and_restarts_are_rendered():
     m = Metrics()
-    m.set_worker_stats({"draft_connected": True, "draft_restarts": 0})
+    m.set_worker_stats(_stats(True, 0))
     text = m.render().decode()
     assert _gauge(text, "dlite_draft_connected") == 1 and _gauge(text, "dlite_draft_restarts") == 0
-    m.set_worker_stats({"draft_connected": False, "draft_restarts": 3})
+    m.set_worker_stats(_stats(False, 3))
     text = m.render().decode()
     assert _gauge(text, "dlite_draft_connected") == 0 and _gauge(text, "dlite_draft_restarts") == 3
+    assert _gauge(text, "dlite_kv_blocks_used") == 3 and _gauge(text, "dlite_kv_blocks_total") == 8

@@ -17,6 +17,7 @@ from dlite_ray.serve.grpc_requests import parse_grpc_create, parse_grpc_generate
 from dlite_ray.serve.openai_requests import parse_append, parse_chat, parse_completion, parse_create_conversation
 from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
 from dlite_ray.serve.request_limits import conversation_id
+from dlite_ray.serve.worker_messages import WorkerStats
 from dlite_ray.serve.worker_probe import WorkerProbe
 
 LIMITS = LimitArgs(max_message_chars=100, max_prompt_chars=250)
@@ -191,7 +192,8 @@ def ingress_server():
         raise ConversationNotFound(f"no conversation {cid!r}")
 
     async def stats(route_to=None):
-        return {"replica": "r"}
+        return WorkerStats(replica="r", running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=8, held_leases=0,
+                           draft_connected=True)
 
     ingress = DLiteIngress(FakeHandle(stats=stats), FakeHandle(get=not_found), AppArgs(api_keys_env=None))
 

@@ -24,6 +24,7 @@ from dlite_ray.serve.tool_calls import (
     tool_calls_delta,
 )
 from dlite_ray.serve.tool_prompt import TOOLS_PREAMBLE, tools_in
+from dlite_ray.serve.worker_messages import GenerateChunk
 
 TOOLS = (Tool("get_weather", ("city", "unit")), Tool("math.factorial", ("n",)))
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city",
@@ -120,11 +121,11 @@ def test_a_held_stream_lets_prose_flow_and_releases_a_false_start():
     assert sent == ["get_weather(", "city='Oslo')"] and rest == "" and calls is None  # no tools, no holding
 
 
-def _held_chunks(pieces: list[str], tools: tuple[Tool, ...]) -> list[dict]:
+def _held_chunks(pieces: list[str], tools: tuple[Tool, ...]) -> list[GenerateChunk]:
     async def worker():
         for i, p in enumerate(pieces):
             last = i == len(pieces) - 1
-            yield {"text": p, "logprobs": [p], "token_ids": [i], "finished": last, "finish_reason": "stop" if last else None}
+            yield GenerateChunk([i], p, last, "stop" if last else None, logprobs=[p])
 
     async def collect():
         return [c async for c in held_for_tool_calls(worker(), tools)]
@@ -134,13 +135,13 @@ def _held_chunks(pieces: list[str], tools: tuple[Tool, ...]) -> list[dict]:
 
 def test_held_chunks_end_with_calls_or_text():
     chunks = _held_chunks(["math.fact", "orial(n=", "4)"], TOOLS)
-    assert [c["text"] for c in chunks] == ["", "", ""] and [c["token_ids"] for c in chunks] == [[0], [1], [2]]
-    assert [c["raw_text"] for c in chunks] == ["math.fact", "orial(n=", "4)"]  # what a history stores
-    assert chunks[-1]["tool_calls"] == [ToolCall("math.factorial", {"n": 4})]
-    assert chunks[-1]["finish_reason"] == "tool_calls" and chunks[-1]["logprobs"] == ["math.fact", "orial(n=", "4)"]
+    assert [c.text for c in chunks] == ["", "", ""] and [c.token_ids for c in chunks] == [[0], [1], [2]]
+    assert [c.raw_text for c in chunks] == ["math.fact", "orial(n=", "4)"]  # what a history stores
+    assert chunks[-1].tool_calls == [ToolCall("math.factorial", {"n": 4})]
+    assert chunks[-1].finish_reason == "tool_calls" and chunks[-1].logprobs == ["math.fact", "orial(n=", "4)"]
     chunks = _held_chunks(["ma", "ny", " ways"], TOOLS)
-    assert [c["text"] for c in chunks] == ["", "many", " ways"]
-    assert chunks[-1]["tool_calls"] is None and chunks[-1]["finish_reason"] == "stop"
+    assert [c.text for c in chunks] == ["", "many", " ways"]
+    assert chunks[-1].tool_calls is None and chunks[-1].finish_reason == "stop"
 
 
 def test_tools_read_back_from_a_history():

@@ -73,7 +73,7 @@ def _expected(library, history: list[dict]) -> str:
 
 
 def _held_by(worker, replica: str) -> int:
-    return worker.stats.remote(route_to=replica).result()["held_leases"]
+    return worker.stats.remote(route_to=replica).result().held_leases
 
 
 def test_a_tool_loop_stays_on_its_replica_and_reuses_its_kv(two_replicas, library):
@@ -188,7 +188,7 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error_and_the_next_turn_recov
                                         metadata=metadata, timeout=120)
         next(stream)  # generating on some replica
         stats = [two_replicas.stats.remote(route_to=r).result() for r in replicas]
-        busy = [s["replica"] for s in stats if s["running"] > 0]
+        busy = [s.replica for s in stats if s.running > 0]
         assert len(busy) == 1
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP}#TargetWorker#{busy[0]}", namespace="serve"))
         with pytest.raises(grpc.RpcError) as err:
