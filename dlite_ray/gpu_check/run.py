@@ -23,7 +23,7 @@ from dlite_ray.constants import KV_BLOCK_SIZE
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.gpu_check import exactness, gemm_settings, timing, transport
 from dlite_ray.gpu_check.random_models import DRAFT_8B, DRAFT_SMALL, QWEN3_8B, QWEN3_SMALL, random_draft, random_target
-from dlite_ray.runtime.attention import flash_attn_available
+from dlite_ray.runtime.attention.flash import flash_attn_available
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from dlite_ray.runtime import fused_ops
-from dlite_ray.runtime.attention import AttentionMetadata, FlashAttnBackend, SdpaBackend
+from dlite_ray.runtime.attention.flash import FlashAttnBackend
+from dlite_ray.runtime.attention.metadata import AttentionMetadata
+from dlite_ray.runtime.attention.sdpa import SdpaBackend
 from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.kv_cache import PagedKVCache

@@ -1,5 +1,5 @@
 """Position-exact decode and verify attention on an accelerator: every window call of a
-step (attention.py, `_attend_positioned`) in one batched kernel call per key count.
+step (attention/sdpa.py, `_attend_positioned`) in one batched kernel call per key count.
 
 A row at position p attends the keys of positions [0, end) with end = p - p % WINDOW +
 WINDOW, masked after p, in a call of MAX_POSITIONED_ROWS query rows (padded): its kernel
@@ -44,8 +44,8 @@ class WindowPlan:
 def plan_windows(spans, context_slots: list[torch.Tensor], num_heads: int, num_kv_heads: int, window: int,
                  rows: int, dtype: torch.dtype, device: torch.device) -> WindowPlan:
     """spans: the positioned SequenceSpans of a step (few new tokens each), with each one's
-    context as cache slots (on `device`); `window` and `rows` are attention.py's WINDOW and
-    MAX_POSITIONED_ROWS."""
+    context as cache slots (on `device`); `window` and `rows` are WINDOW and
+    MAX_POSITIONED_ROWS of attention/metadata.py."""
     group = num_heads // num_kv_heads
     per_call = rows // group
     by_end: dict[int, list[tuple]] = {}

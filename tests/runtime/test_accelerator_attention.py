@@ -15,14 +15,10 @@ import pytest
 import torch
 
 from dlite_ray.runtime import attention
-from dlite_ray.runtime.attention import (
-    MAX_POSITIONED_ROWS,
-    WINDOW,
-    FlashAttnBackend,
-    SdpaBackend,
-    build_attention_metadata,
-    make_backend,
-)
+from dlite_ray.runtime.attention import make_backend
+from dlite_ray.runtime.attention.flash import FlashAttnBackend
+from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_ROWS, WINDOW, _context_slots, build_attention_metadata
+from dlite_ray.runtime.attention.sdpa import SdpaBackend
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.window_batch import plan_windows
 
@@ -50,7 +46,7 @@ def _fill(cache: PagedKVCache, layer: int, ctx_lens, tables, seed: int):
     """Random keys/values at every cached position; returns them per sequence [ctx, Hkv, Dh]."""
     gen = torch.Generator().manual_seed(seed)
     kv = []
-    for ctx, table in zip(ctx_lens, tables):
+    for ctx, table in zip(ctx_lens, tables, strict=True):
         k, v = torch.randn(ctx, HKV, DH, generator=gen), torch.randn(ctx, HKV, DH, generator=gen)
         slots = torch.tensor([table[p // cache.block_size] * cache.block_size + p % cache.block_size
                               for p in range(ctx)])
@@ -62,7 +58,7 @@ def _fill(cache: PagedKVCache, layer: int, ctx_lens, tables, seed: int):
 def _reference(q: torch.Tensor, kv, q_lens, ctx_lens) -> torch.Tensor:
     """Causal attention per token in float64 over its sequence's keys."""
     outs, start = [], 0
-    for (k, v), n, ctx in zip(kv, q_lens, ctx_lens):
+    for (k, v), n, ctx in zip(kv, q_lens, ctx_lens, strict=True):
         for i in range(n):
             pos = ctx - n + i
             qi = q[start + i].double().view(HKV, GROUP, DH)
@@ -73,13 +69,13 @@ def _reference(q: torch.Tensor, kv, q_lens, ctx_lens) -> torch.Tensor:
 
 
 def _attend(backend, cache, q_lens, ctx_lens, tables, seed=0):
-    kv = _fill(cache, 0, [c - n for c, n in zip(ctx_lens, q_lens)], tables, seed)
+    kv = _fill(cache, 0, [c - n for c, n in zip(ctx_lens, q_lens, strict=True)], tables, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     total = sum(q_lens)
     q = torch.randn(total, HKV * GROUP, DH, generator=gen)
     k_new, v_new = torch.randn(total, HKV, DH, generator=gen), torch.randn(total, HKV, DH, generator=gen)
     full, start = [], 0
-    for (k, v), n in zip(kv, q_lens):
+    for (k, v), n in zip(kv, q_lens, strict=True):
         full.append((torch.cat([k, k_new[start:start + n]]), torch.cat([v, v_new[start:start + n]])))
         start += n
     meta = build_attention_metadata(q_lens, ctx_lens, tables, cache.block_size, torch.device("cpu"))
@@ -106,7 +102,7 @@ def test_a_decode_row_and_its_verify_row_meet_the_same_kernel_inputs():
     verify = build_attention_metadata([8], [ctx + 6], [table], 16, torch.device("cpu")).spans  # p is row 1
 
     def call_of(spans, row):
-        plan = plan_windows(spans, [attention._context_slots(s, torch.device("cpu")) for s in spans], HKV * GROUP,
+        plan = plan_windows(spans, [_context_slots(s, torch.device("cpu")) for s in spans], HKV * GROUP,
                             HKV, WINDOW, MAX_POSITIONED_ROWS, torch.float32, torch.device("cpu"))
         for batch in plan.batches:
             hit = (batch.query_index == row * HKV * GROUP).nonzero()  # query head 0 of the row

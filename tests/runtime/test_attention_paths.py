@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlite_ray.runtime import attention
-from dlite_ray.runtime.attention import WINDOW, SdpaBackend, build_attention_metadata
+from dlite_ray.runtime.attention import cpu_exactness, sdpa
+from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_ROWS, WINDOW, build_attention_metadata
+from dlite_ray.runtime.attention.sdpa import SdpaBackend
 from dlite_ray.runtime.kv_cache import PagedKVCache
 
 BS, HKV, GROUP, DH = 4, 2, 3, 8
@@ -27,7 +28,8 @@ def _tables(ctx: int) -> dict[str, list[int]]:
     random.Random(ctx).shuffle(shuffled)
     return {
         "consecutive": list(range(blocks)),
-        "three runs": [*range(200, 200 + blocks // 3), *range(blocks // 3), *range(400, 400 + blocks - 2 * (blocks // 3))],
+        "three runs": [*range(200, 200 + blocks // 3), *range(blocks // 3),
+                       *range(400, 400 + blocks - 2 * (blocks // 3))],
         "scattered": shuffled[:blocks],  # every block its own run
     }
 
@@ -77,7 +79,8 @@ def row_policy(request, monkeypatch):
     """Kernel calls carry their real rows, padded only as far as the kernel was measured to
     need, or always the full padded count (what kernels that need more get)."""
     if request.param == "padded":  # the plan is cached: replace it, not what it is made of
-        monkeypatch.setattr(attention, "_kernel_plan", lambda *shape: attention.KernelPlan(None, True))
+        for module in (cpu_exactness, sdpa):  # both read it by their own name
+            monkeypatch.setattr(module, "_kernel_plan", lambda *shape: cpu_exactness.KernelPlan(None, True))
     return request.param
 
 
@@ -109,20 +112,20 @@ def test_a_kernel_that_rounds_by_row_count_gets_padded_calls(monkeypatch, rounds
     """The measurement behind short calls must catch a kernel whose rows depend on the
     call's row count, as the real one does for a last block of 1 row (one Xeon) or 1-3
     rows (another): it pads such blocks, or every call when short ones never come out right."""
-    kernel, full = attention._attend_masked, attention.MAX_POSITIONED_ROWS
+    kernel, full = cpu_exactness._attend_masked, MAX_POSITIONED_ROWS
 
     def rounds_by_row_count(q, k, v, mask):
         rows = q.shape[1]  # computed as in a full call, then off by a rounding where short
         out = kernel(F.pad(q, (0, 0, 0, full - rows)), k, v, F.pad(mask, (0, 0, 0, full - rows)))[:, :rows]
-        short = rows < full and (0 < rows % attention.KERNEL_BLOCK_ROWS < rounds_below or rows < rounds_below)
+        short = rows < full and (0 < rows % cpu_exactness.KERNEL_BLOCK_ROWS < rounds_below or rows < rounds_below)
         return out + torch.finfo(out.dtype).eps if short else out
 
-    monkeypatch.setattr(attention, "_attend_masked", rounds_by_row_count)
-    attention._smallest_exact_tail.cache_clear()
+    monkeypatch.setattr(cpu_exactness, "_attend_masked", rounds_by_row_count)
+    cpu_exactness._smallest_exact_tail.cache_clear()
     try:
-        tail = attention._smallest_exact_tail(torch.bfloat16, DH, GROUP)
+        tail = cpu_exactness._smallest_exact_tail(torch.bfloat16, DH, GROUP)
     finally:
-        attention._smallest_exact_tail.cache_clear()
+        cpu_exactness._smallest_exact_tail.cache_clear()
     assert tail == {2: 2, 4: 4, 100: None}[rounds_below]
 
 
@@ -156,7 +159,7 @@ def test_key_halves_equal_plain_attention(dtype):
     k, v = (torch.randn(HKV, 4 * WINDOW, DH, generator=gen).to(dtype) for _ in range(2))
     last_key = torch.randint(2 * WINDOW, 4 * WINDOW, (12, 1), generator=gen)  # causal, past the middle
     mask = torch.zeros(12, 4 * WINDOW, dtype=dtype).masked_fill(torch.arange(4 * WINDOW) > last_key, float("-inf"))
-    split = attention._attend_key_halves(q, k, v, mask)
+    split = cpu_exactness._attend_key_halves(q, k, v, mask)
     scores = (q.double() @ k.double().transpose(1, 2)) * DH ** -0.5 + mask.double()
     reference = scores.softmax(dim=-1) @ v.double()
     tol = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
@@ -170,18 +173,18 @@ def test_key_halves_give_a_row_the_same_bits_whatever_the_row_count(dtype):
     row-count-wide tensor does (vectorised for some rows, scalar for the rest; in float32
     that shows at once, in bf16 rarely)."""
     head_dim = 64  # SmolLM2's: with 8, every call is padded to the full count here
-    tail = attention._smallest_exact_tail(dtype, head_dim, GROUP)
+    tail = cpu_exactness._smallest_exact_tail(dtype, head_dim, GROUP)
     if tail is None:
         pytest.skip("every call is padded to the full row count here")
-    assert attention._short_calls_match_full(dtype, head_dim, GROUP, tail, split_keys=True)
+    assert cpu_exactness._short_calls_match_full(dtype, head_dim, GROUP, tail, split_keys=True)
 
 
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
 def test_verify_rows_equal_plain_decoding_where_keys_split(layout, row_policy, odd_thread_count, monkeypatch):
     split_calls = []
-    halves = attention._attend_key_halves
-    monkeypatch.setattr(attention, "_attend_key_halves", lambda *a: split_calls.append(1) or halves(*a))
-    if row_policy == "measured" and not attention._kernel_plan(torch.bfloat16, DH, GROUP).split_keys:
+    halves = sdpa._attend_key_halves
+    monkeypatch.setattr(sdpa, "_attend_key_halves", lambda *a: split_calls.append(1) or halves(*a))
+    if row_policy == "measured" and not cpu_exactness._kernel_plan(torch.bfloat16, DH, GROUP).split_keys:
         pytest.skip("splitting the keys was measured inexact here: the engine does not split")
     q, k, v = _inputs(LONG, torch.bfloat16, seed=13)
     table = _tables(LONG)[layout]
