@@ -1,7 +1,9 @@
 # Two commands do the whole set-up on a fresh machine, idempotently:
-#   make test   venv + dependencies + default model, then the test suite
+#   make test   venv + dependencies + default model, then ruff and the test suite
 #   make serve  the same set-up, then `serve run deployments/dlite.yaml`
 #               (HTTP 127.0.0.1:8000, gRPC :9000)
+# The dependencies are `.[dev]`: the core library, its serve, train and bench extras and the
+# dev tools (pyproject.toml); not `gpu` (flash-attn by hand) nor `llamacpp` (compiled here).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
