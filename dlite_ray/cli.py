@@ -149,8 +149,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _engine(args):
     from dlite_ray.engine.engine import DLiteEngine
 
-    draft = None if args.draft == "none" else args.draft
-    return DLiteEngine.from_pretrained(args.target, draft, device=args.device, dtype=args.dtype,
+    return DLiteEngine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                        num_draft_tokens=args.num_draft_tokens,
                                        verify_block_size=args.verify_block_size, lookup_tokens=args.lookup_tokens)
 

@@ -21,7 +21,9 @@ from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
-from dlite_ray.engine.engine import DTYPES, DLiteEngine, default_draft_dir, load_draft
+from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.engine_config import DTYPES
+from dlite_ray.engine.loading import default_draft_dir, load_draft
 from dlite_ray.runtime.model_store import default_gguf_path
 
 log = logging.getLogger(__name__)

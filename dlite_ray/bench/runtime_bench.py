@@ -15,7 +15,8 @@ import torch
 from tqdm import tqdm
 
 from dlite_ray.bench.machine import machine_info, memory_bandwidth_gbs
-from dlite_ray.engine.engine import DTYPES, DLiteEngine
+from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.engine_config import DTYPES
 from dlite_ray.runtime.model_store import default_model_dir
 
 log = logging.getLogger(__name__)

@@ -154,6 +154,7 @@ def run(args) -> dict:
     """The CLI: start the app, run the soak, check T = 0 replies, print and write the report."""
     from dlite_ray.engine.engine import DLiteEngine
     from dlite_ray.serve.config import EngineArgs, LimitArgs
+    from dlite_ray.serve.engine_factory import engine_config
 
     cfg = SoakConfig(solo_s=args.solo_s, duration_s=args.duration_s, fault_period_s=args.fault_period_s,
                      faults=tuple(k for k in args.faults.split(",") if k), clients=args.clients,
@@ -176,8 +177,7 @@ def run(args) -> dict:
                                 max_prompt_chars=limits.max_prompt_chars, max_body_bytes=limits.max_body_bytes,
                                 seed=cfg.seed)
         result = run_soak(cfg, lt, abuse_cfg, draft=args.draft != "none")
-    draft = None if args.draft == "none" else args.draft  # the reference, once the app's CPUs are free
-    engine = DLiteEngine.from_pretrained(args.target, draft, dtype=args.dtype, adaptive_draft_length=False)
+    engine = DLiteEngine.from_config(engine_config(engine_args))  # the reference, once the app's CPUs are free
     checked = [a.record for a in result.attempts if a.record.kind in LATENCY_KINDS]
     greedy = check_greedy_replies(checked, engine, cfg.max_tokens)
     report = summarize_soak(cfg, result.attempts, result.conversations, result.abuse, result.abuser_probes,

@@ -81,9 +81,9 @@ class AsyncEngine:
                 self._inbox.put(("abort", seq_holder[0].request_id))
 
     def stats(self) -> EngineLoad:
-        blocks = self.engine.runner.blocks
-        return EngineLoad(len(self.engine.scheduler.running), len(self.engine.scheduler.waiting),
-                          blocks.num_used_blocks, blocks.num_blocks, len(self.held_leases))
+        scheduler = self.engine.scheduler
+        return EngineLoad(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_used_blocks,
+                          scheduler.blocks.num_blocks, len(self.held_leases))
 
     def is_alive(self) -> bool:
         """Whether the engine loop thread still runs."""

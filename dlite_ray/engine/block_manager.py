@@ -48,7 +48,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}  # chain hash -> block
         self._content: dict[int, _CachedBlock] = {}  # block -> what it caches
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks with ref 0, LRU first
-        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must apply
+        self.copies: list[tuple[int, int]] = []  # (src, dst) block copies the runner must apply first
 
     # -- capacity -------------------------------------------------------------------------
     @property
@@ -78,6 +78,25 @@ class BlockManager:
         keep = self.blocks_needed(num_tokens)
         while len(table) > keep:
             self._release(table.pop())
+
+    def prepare_write(self, table: list[int], start: int, end: int) -> None:
+        """Before positions [start, end) are written: a shared block among them is copied
+        (only the first can be: later ones are fresh), then `table` grows to hold `end`."""
+        first = start // self.block_size
+        if first < len(table):
+            self.copy_on_write(table, first)
+        self.ensure_capacity(table, end)
+
+    def commit(self, table: list[int], hashes: list[int], tokens: list[int], num_computed: int) -> None:
+        """Keep the blocks of the first `num_computed` positions (roll back the rest) and
+        publish the full ones to the prefix cache."""
+        self.crop(table, num_computed)
+        self.register_full_blocks(table, hashes, tokens, num_computed)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies made since the last call, for whoever moves the tensors."""
+        out, self.copies = self.copies, []
+        return out
 
     def free(self, table: list[int]) -> None:
         while table:

@@ -1,4 +1,10 @@
-"""ModelRunner: owns every target tensor (weights, paged KV, backend) and runs ragged batches."""
+"""ModelRunner: owns every target tensor (weights, paged KV, backend) and runs ragged batches.
+
+It reads each row's `seq.block_table` and writes the new tokens' KV into those slots; it
+never allocates: in the engine the Scheduler reserves every row's blocks before a step
+and hands over the block copies to apply (`run`). Drivers without a scheduler (runtime
+tests, GPU checks) use `forward` / `commit` / `release`, which keep a pool of their own.
+"""
 
 from __future__ import annotations
 
@@ -44,22 +50,24 @@ class ModelRunner:
         if self.backend.name == "flash_attn" and block_size % FLASH_ATTN_PAGE_MULTIPLE:
             block_size = FLASH_ATTN_PAGE_MULTIPLE
         num_blocks = -(-max_kv_tokens // block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size  # the pool's shape, for its owner
         self.cache = PagedKVCache(target.cfg, num_blocks, block_size, self.dtype, self.device,
                                   block_major=self.backend.block_major)
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_cache)
         self.max_context = target.cfg.max_position_embeddings
+        self.enable_prefix_cache = enable_prefix_cache
+        self._own_blocks: BlockManager | None = None  # only for drivers without a scheduler
 
-    def forward(self, rows: list[RowInput]) -> list[RowOutput]:
+    def run(self, rows: list[RowInput], copies: list[tuple[int, int]] = ()) -> list[RowOutput]:
+        """One ragged forward. Each row's block table already holds its new positions;
+        `copies` (src, dst) are applied first (blocks copied before a shared one is written)."""
+        for src, dst in copies:
+            self.cache.copy_block(src, dst)
         for row in rows:
             seq = row.seq
             end = seq.num_computed + len(row.tokens)
             if end > self.max_context:
                 raise InvalidRequest(f"sequence of {end} tokens exceeds the model context of {self.max_context}")
-            first_block = seq.num_computed // self.blocks.block_size
-            if first_block < len(seq.block_table):  # writing into a block that may be shared
-                self.blocks.copy_on_write(seq.block_table, first_block)
-            self.blocks.ensure_capacity(seq.block_table, end)
-        self._apply_block_copies()
+            assert len(seq.block_table) * self.block_size >= end, "KV not reserved before the forward"
         batch = self._build_batch(rows)
         out = self.target(batch, self.cache, self.backend)
         counts = [r.num_outputs for r in rows]
@@ -89,20 +97,28 @@ class ModelRunner:
             normed_last_tap=self.normed_last_tap,
         )
 
-    def _apply_block_copies(self) -> None:
-        for src, dst in self.blocks.copies:
-            self.cache.copy_block(src, dst)
-        self.blocks.copies.clear()
+    # -- drivers without a scheduler (runtime tests, GPU checks) -------------------------------
+    @property
+    def blocks(self) -> BlockManager:
+        """The pool `forward` reserves from: never the engine's (its Scheduler owns that one)."""
+        if self._own_blocks is None:
+            self._own_blocks = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_cache)
+        return self._own_blocks
+
+    def forward(self, rows: list[RowInput]) -> list[RowOutput]:
+        """`run`, reserving each row's KV from this runner's own pool first."""
+        for row in rows:
+            self.blocks.prepare_write(row.seq.block_table, row.seq.num_computed, row.seq.num_computed + len(row.tokens))
+        return self.run(rows, self.blocks.take_copies())
 
     def release(self, seq: Sequence) -> None:
-        """Free a sequence's KV (its committed full blocks stay in the prefix cache)."""
+        """Free a sequence's KV in this runner's own pool."""
         self.blocks.free(seq.block_table)
         seq.block_hashes.clear()
         seq.num_computed = 0
         seq.pivot_features = None
 
     def commit(self, seq: Sequence, num_computed: int) -> None:
-        """Keep the first `num_computed` positions (roll back the rest) and publish full blocks."""
+        """Keep the first `num_computed` positions (roll back the rest) in this runner's own pool."""
         seq.num_computed = num_computed
-        self.blocks.crop(seq.block_table, num_computed)
-        self.blocks.register_full_blocks(seq.block_table, seq.block_hashes, seq.token_ids, num_computed)
+        self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, num_computed)

@@ -1,10 +1,15 @@
-"""Scheduler: waiting / running queues, admission by free KV blocks, chunked prefill,
-preemption by recompute. Plain Python, no tensors.
+"""Scheduler: a request's whole life in the engine, and the only owner of its KV.
+
+Plain Python, no tensors. It holds the BlockManager and the BoundaryStore and is the only
+caller of their allocation, reuse and release: admission (a stored boundary, else the
+prefix cache), waiting / running queues with chunked prefill, KV reserved when a row is
+scheduled (so one step's admissions never overcommit the pool), preemption by
+recompute, the crop of what a round did not keep, and finishing (a boundary saved,
+pinned under the conversation's lease until released).
 
 Each step's batch is a ragged mix of prefill chunks and decode rows; a decode row needs
-room for its anchor plus up to `lookahead - 1` drafted tokens. Blocks are reserved when
-a row is scheduled, so one step's admissions never overcommit the pool; the rows' commit
-crops what the round did not keep.
+room for its anchor plus up to `lookahead - 1` drafted tokens. The model runner only
+reads each row's block table and applies the schedule's block copies.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from dlite_ray.engine.block_manager import BlockManager
-from dlite_ray.engine.sequence import FINISH_ABORT, Sequence, Status
+from dlite_ray.engine.boundary_store import BoundaryStore
+from dlite_ray.engine.sequence import FINISH_ABORT, InvalidRequest, Sequence, Status
 
 
 @dataclass(slots=True)
@@ -27,10 +33,23 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class KVReuse:
+    """What a new sequence may reuse. Boundaries are stamped with the weights' fingerprints;
+    one resumes (no recompute) only where a draft continues from its features. A draft
+    that reads target layers needs the pivot's features, which the prefix cache lacks."""
+
+    target_fingerprint: str = ""
+    draft_fingerprint: str = "none"
+    resume_boundaries: bool = False
+    recompute_pivot: bool = False
+
+
+@dataclass(slots=True)
 class Schedule:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk length)
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy before the forward
 
     @property
     def is_empty(self) -> bool:
@@ -38,20 +57,57 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, lookahead: int, admit=None, evict=None,
-                 release=None):
-        """admit(seq): called when a sequence first gets KV (prefix cache / boundary lookup);
-        evict(): frees cached-but-idle memory, False when nothing is left;
-        release(seq): frees a preempted sequence's KV (it will be recomputed)."""
+    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, lookahead: int,
+                 boundaries: BoundaryStore | None = None, reuse: KVReuse | None = None):
+        """blocks / boundaries: the KV pool and the stored boundaries on it, from now on
+        used through this scheduler only; lookahead: positions a decode row may write."""
         self.cfg, self.blocks, self.lookahead = cfg, blocks, lookahead
+        self.boundaries = boundaries
+        self.reuse = reuse or KVReuse()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._admit = admit or (lambda seq: None)
-        self._evict = evict or (lambda: False)
-        self._release = release or (lambda seq: self.blocks.free(seq.block_table))
+        self._by_id: dict[str, Sequence] = {}
+        self._lease_of: dict[str, str] = {}  # request id -> the conversation lease it ends under
 
-    def add(self, seq: Sequence) -> None:
+    # -- a request's life ---------------------------------------------------------------------
+    def add(self, seq: Sequence, lease: str | None = None) -> None:
+        """Queue a request (refused if its id is taken or it could never fit the pool). With
+        `lease`, its KV and boundary stay pinned after it finishes, until `release_lease`."""
+        if seq.request_id in self._by_id:
+            raise InvalidRequest(f"request id {seq.request_id!r} is already running")
+        worst = len(seq.token_ids) + seq.params.max_new_tokens + self.lookahead
+        if self.blocks.blocks_needed(worst) > self.blocks.num_blocks:
+            raise InvalidRequest(f"request needs up to {worst} KV positions; the pool holds "
+                                 f"{self.blocks.num_blocks * self.blocks.block_size} (raise max_kv_tokens)")
+        self._by_id[seq.request_id] = seq
+        if lease is not None:
+            self._lease_of[seq.request_id] = lease
         self.waiting.append(seq)
+
+    def _admit(self, seq: Sequence) -> None:
+        """First KV for a sequence: a stored boundary (no recompute), else the prefix cache."""
+        reuse = self.reuse
+        if self.boundaries is not None and reuse.resume_boundaries:
+            b = self.boundaries.take(seq.token_ids, reuse.target_fingerprint, reuse.draft_fingerprint)
+            if b is not None:
+                seq.block_table, seq.block_hashes = list(b.blocks), list(b.block_hashes)
+                seq.num_computed, seq.pivot_features = len(b.tokens), b.pivot_features
+                seq.stats.resumed_from_boundary = True
+                return
+        need = len(seq.token_ids) - 1
+        seq.block_table, seq.block_hashes = self.blocks.match_prefix(seq.token_ids, need)
+        seq.num_computed = len(seq.block_table) * self.blocks.block_size
+        if seq.num_computed == need and need > 0 and reuse.recompute_pivot:
+            seq.num_computed -= 1  # recompute the pivot: its features are not cached
+        seq.stats.cached_prompt_tokens = seq.num_computed
+
+    def postprocess(self, schedule: Schedule) -> None:
+        """After the step ran: each row's KV is cropped to what it kept (`num_computed`) and
+        its full blocks are published; finished requests are finished."""
+        for seq in [s for s, _ in schedule.prefills] + schedule.decodes:
+            self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed)
+            if seq.is_finished:
+                self._finish(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.running, self.waiting):
@@ -59,12 +115,51 @@ class Scheduler:
                 if seq.request_id == request_id:
                     queue.remove(seq)
                     seq.finish(FINISH_ABORT)
+                    self._finish(seq)
                     return seq
         return None
+
+    def _finish(self, seq: Sequence) -> None:
+        """A finished request leaves; its KV is kept as a boundary (pinned under its lease)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        lease = self._lease_of.pop(seq.request_id, None)
+        if self.boundaries is not None and seq.finish_reason != FINISH_ABORT:
+            if seq.num_computed > len(seq.token_ids) - 1:
+                # stopped inside a round: drop the KV of drafts after the stop; the pivot
+                # features were for a later position, so the boundary keeps KV only
+                seq.num_computed = len(seq.token_ids) - 1
+                self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed)
+                seq.pivot_features = None
+            self.boundaries.save(seq.token_ids, seq.num_computed, seq.pivot_features, seq.block_table,
+                                 seq.block_hashes, self.reuse.target_fingerprint, self.reuse.draft_fingerprint, lease)
+        self._free(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """Free a sequence's KV (its committed full blocks stay in the prefix cache)."""
+        self.blocks.free(seq.block_table)
+        seq.block_hashes.clear()
+        seq.num_computed = 0
+        seq.pivot_features = None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # -- conversation leases ------------------------------------------------------------------
+    def release_lease(self, lease: str) -> bool:
+        """A conversation's lease ended: its KV becomes ordinary, evictable prefix cache."""
+        return self.boundaries is not None and self.boundaries.release_lease(lease)
+
+    @property
+    def held_leases(self) -> list[str]:
+        return self.boundaries.leases if self.boundaries is not None else []
+
+    def take_evicted_leases(self) -> list[str]:
+        """Leases whose KV was given up under memory pressure since the last call."""
+        return self.boundaries.take_evicted_leases() if self.boundaries is not None else []
+
+    # -- one step's batch ---------------------------------------------------------------------
     def schedule(self) -> Schedule:
         out = Schedule()
         budget = self.cfg.max_batch_tokens
@@ -76,7 +171,7 @@ class Scheduler:
             while not self.blocks.can_hold(seq.block_table, need) and self._make_room(seq, out):
                 pass
             if seq in self.running and self.blocks.can_hold(seq.block_table, need):
-                self.blocks.ensure_capacity(seq.block_table, need)  # reserve now, for this step
+                self._reserve(seq, need)
                 out.decodes.append(seq)
                 budget -= min(self.lookahead, need - seq.num_computed)
         # 2. prefill chunks: running sequences mid-prefill, then admissions
@@ -89,10 +184,8 @@ class Scheduler:
             if seq.num_to_prefill == 0:
                 if not self.blocks.can_hold(seq.block_table, seq.num_computed + self.lookahead):
                     break
-                self.blocks.ensure_capacity(seq.block_table, seq.num_computed + self.lookahead)
-                self.waiting.popleft()
-                seq.status = Status.RUNNING
-                self.running.append(seq)
+                self._reserve(seq, seq.num_computed + self.lookahead)
+                self._start(seq)
                 out.decodes.append(seq)
                 budget -= 1
                 continue
@@ -101,13 +194,21 @@ class Scheduler:
                 if not self._evict():
                     break
                 continue
-            self.blocks.ensure_capacity(seq.block_table, seq.num_computed + chunk)
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self._reserve(seq, seq.num_computed + chunk)
+            self._start(seq)
             out.prefills.append((seq, chunk))
             budget -= chunk
+        out.copies = self.blocks.take_copies()
         return out
+
+    def _start(self, seq: Sequence) -> None:
+        self.waiting.popleft()
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """KV for the positions this step writes, reserved now (a shared block is copied first)."""
+        self.blocks.prepare_write(seq.block_table, seq.num_computed, num_tokens)
 
     def _plan_prefill(self, seq: Sequence, budget: int, out: Schedule) -> int:
         if seq not in self.running:
@@ -119,10 +220,14 @@ class Scheduler:
         while chunk > 0 and not self.blocks.can_hold(seq.block_table, seq.num_computed + chunk) and self._evict():
             pass
         if chunk > 0 and self.blocks.can_hold(seq.block_table, seq.num_computed + chunk):
-            self.blocks.ensure_capacity(seq.block_table, seq.num_computed + chunk)
+            self._reserve(seq, seq.num_computed + chunk)
             out.prefills.append((seq, chunk))
             budget -= chunk
         return budget
+
+    def _evict(self) -> bool:
+        """Free cached-but-idle memory (a stored boundary); False when nothing is left."""
+        return self.boundaries is not None and self.boundaries.evict_oldest()
 
     def _make_room(self, needy: Sequence, out: Schedule) -> bool:
         if self._evict():
@@ -133,12 +238,8 @@ class Scheduler:
             victims = [needy]
         victim = victims[0]
         self.running.remove(victim)
-        self._release(victim)
+        self._free(victim)
         victim.status = Status.WAITING
         out.preempted.append(victim)
         self.waiting.appendleft(victim)
         return victim is not needy
-
-    def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)

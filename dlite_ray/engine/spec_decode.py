@@ -5,8 +5,9 @@ Per step: rows whose grammar forces their next tokens propose those, and rows wh
 tokens occurred earlier in their context copy what followed there (`context_lookup.py`);
 the others draft K_i tokens in one draft call. Then prefill
 chunks and [anchor, d_1..d_K_i] verify rows run in one ragged target forward; each row
-accepts A_i, commits A_i + 1 tokens, crops its KV to n_i + A_i + 1, and takes its next
-pivot features from the verify pass at index A_i. Rows with K_i = 0 decode plainly.
+accepts A_i, commits A_i + 1 tokens (its KV now holds n_i + A_i + 1 positions: the
+scheduler crops the rest after the step), and takes its next pivot features from the
+verify pass at index A_i. Rows with K_i = 0 decode plainly.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class SpecDecoder:
         accepted: list[int] = []
         next_tokens: list[int] = []
         with _timer(self.runner.device) as t:
-            outs = self.runner.forward(rows)
+            outs = self.runner.run(rows, schedule.copies)
             if decodes:
                 modes = [_verify_mode(s, copied) for s, copied in zip(decodes, proposal.copied)]
                 a, n = self._verify(decodes, modes, proposal, outs[len(schedule.prefills):])
@@ -103,20 +104,19 @@ class SpecDecoder:
 
     def _commit_prefills(self, prefills: list[tuple[Sequence, int]], outs: list[RowOutput], seconds: float) -> None:
         for (seq, n), out in zip(prefills, outs):
-            self.runner.commit(seq, seq.num_computed + n)
+            seq.num_computed += n  # the scheduler's postprocess publishes the blocks
             seq.stats.prefill_time += seconds
             if seq.num_to_prefill == 0:
                 seq.pivot_features = out.taps[-1] if out.taps is not None else None
 
     def _commit_decodes(self, decodes: list[Sequence], proposal: RoundProposal, accepted: list[int],
                         next_tokens: list[int], outs: list[RowOutput], seconds: float) -> dict[Sequence, list[int]]:
-        """Each row keeps its accepted tokens and the target's next one, crops its KV there and
+        """Each row keeps its accepted tokens and the target's next one, its KV ends there and it
         takes its next pivot features from the verify pass at that index."""
         emitted = {}
         now = time.perf_counter()
         for i, seq in enumerate(decodes):
             a, out, tokens, copied = accepted[i], outs[i], proposal.tokens[i], proposal.copied[i]
-            # tokens first: committing publishes full blocks, hashed by the tokens they hold
             kept = emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
             if seq.grammar is not None:
                 seq.grammar.advance(kept)
@@ -126,7 +126,7 @@ class SpecDecoder:
                 seq.trace.add(out.logits[:len(kept)], out.taps[:len(kept)] if out.taps is not None else None)
             if seq.logprobs is not None:
                 seq.logprobs += token_logprobs(out.logits[:len(kept)], kept, seq.params.logprobs)
-            self.runner.commit(seq, seq.num_computed + a + 1)
+            seq.num_computed += a + 1  # the KV of rejected drafts is cropped by the scheduler's postprocess
             seq.pivot_features = out.taps[a] if out.taps is not None else None
             st = seq.stats
             if st.first_token_time is None:

@@ -7,8 +7,8 @@ import asyncio
 import threading
 
 from dlite_ray.engine.async_engine import AsyncEngine
+from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.sequence import SamplingParams
-from tests.engine.conftest import make_engine
 from tests.engine.test_requests import CharTokenizer
 
 
@@ -26,8 +26,8 @@ class GatedTokenizer(CharTokenizer):
 
 
 def test_a_slow_tokenizer_leaves_the_event_loop_running(tiny_target):
-    engine = make_engine(tiny_target)
-    tokenizer = engine.tokenizer = GatedTokenizer()
+    tokenizer = GatedTokenizer()
+    engine = DLiteEngine(tiny_target, tokenizer, None, adaptive_draft_length=False, lookup_tokens=0)
     async_engine = AsyncEngine(engine)
 
     async def loop_watch() -> None:

@@ -44,7 +44,8 @@ def test_staggered_arrivals_and_aborts(tiny_target, tiny_draft, alone, with_draf
             assert seq.finish_reason == "abort"
         else:
             assert seq.output_ids == alone[i], i
-    assert engine.runner.blocks.num_used_blocks == sum(len(b.blocks) for b in engine.boundaries._entries.values())
+    stored = engine.scheduler.boundaries._entries.values()
+    assert engine.scheduler.blocks.num_used_blocks == sum(len(b.blocks) for b in stored)
 
 
 def test_preemption_by_recompute_keeps_outputs(tiny_target, tiny_draft, alone):
@@ -90,9 +91,9 @@ def test_resume_from_a_stored_boundary_recomputes_nothing(tiny_target, tiny_draf
     history = PROMPTS[3] + first.token_ids  # KV holds all but the last token: a boundary
     ar = make_engine(tiny_target, enable_prefix_cache=False)
     expected = ar.generate(history, max_new_tokens=NEW)[0].token_ids
-    before = engine.boundaries.hits
+    before = engine.scheduler.boundaries.hits
     resumed = engine.generate(history, max_new_tokens=NEW)[0]
-    assert resumed.stats.resumed_from_boundary and engine.boundaries.hits == before + 1
+    assert resumed.stats.resumed_from_boundary and engine.scheduler.boundaries.hits == before + 1
     assert resumed.stats.prefill_time == 0.0  # no target forward before the first round
     assert resumed.token_ids == expected
 
@@ -101,9 +102,9 @@ def test_boundary_of_other_weights_is_ignored(tiny_target, tiny_draft):
     engine = make_engine(tiny_target, tiny_draft, block_size=4)
     first = engine.generate(PROMPTS[0], max_new_tokens=NEW)[0]
     history = PROMPTS[0] + first.token_ids
-    engine.draft_fingerprint = "another-draft"  # as if the draft had been retrained and reloaded
+    engine.scheduler.reuse.draft_fingerprint = "another-draft"  # as if the draft had been retrained and reloaded
     resumed = engine.generate(history, max_new_tokens=NEW)[0]
-    assert not resumed.stats.resumed_from_boundary and engine.boundaries.stale == 1
+    assert not resumed.stats.resumed_from_boundary and engine.scheduler.boundaries.stale == 1
     ar = make_engine(tiny_target, enable_prefix_cache=False)
     assert resumed.token_ids == ar.generate(history, max_new_tokens=NEW)[0].token_ids
 
@@ -167,6 +168,6 @@ def test_a_chunked_prefill_evicts_idle_cache_between_chunks(tiny_target, tiny_dr
     engine = make_engine(tiny_target, tiny_draft, max_kv_tokens=96, block_size=4,
                          scheduler=SchedulerConfig(max_batch_tokens=16))
     engine.generate(first, max_new_tokens=12, ignore_eos=True)
-    assert len(engine.boundaries) == 1  # its KV stays cached, taking half the pool
+    assert len(engine.scheduler.boundaries) == 1  # its KV stays cached, taking half the pool
     assert engine.generate(second, max_new_tokens=12, ignore_eos=True)[0].token_ids == expected
-    assert len(engine.boundaries) == 1  # the first one made room, the second one is kept
+    assert len(engine.scheduler.boundaries) == 1  # the first one made room, the second one is kept

@@ -113,8 +113,8 @@ def test_the_target_worker_streams_the_error_in_its_final_chunk(tiny):
     from dlite_ray.serve.target_worker import TargetWorker
     from dlite_ray.serve.tool_calls import Tool
 
-    worker = TargetWorker(AppArgs(), engine=_engine(tiny))
-    params = {"max_new_tokens": 40, "grammar": LATE_FAILURE}
+    worker = TargetWorker(AppArgs(), engine_factory=lambda args: _engine(tiny))
+    params = SamplingParams(max_new_tokens=40, grammar=LATE_FAILURE)
 
     async def stream(tools=()):
         chunks = worker.generate(PROMPTS[0], params)
@@ -127,27 +127,16 @@ def test_the_target_worker_streams_the_error_in_its_final_chunk(tiny):
         held = asyncio.run(stream((Tool("ab", ()),)))
     finally:
         worker.async_engine.shutdown()
-    assert all(c["error"] is None and not c["finished"] for c in got[:-1])
+    assert all(c.error is None and not c.finished for c in got[:-1])
     last = got[-1]
-    assert (last["finished"], last["finish_reason"]) == (True, "error")
-    assert isinstance(last["error"], str) and "lexer" in last["error"]
-    assert held[-1]["finish_reason"] == "error" and held[-1]["tool_calls"] is None
-    assert held[-1]["error"] == last["error"]
-    assert "".join(c["text"] for c in held) == "".join(c["text"] for c in got)
+    assert (last.finished, last.finish_reason) == (True, "error")
+    assert isinstance(last.error, str) and "lexer" in last.error
+    assert held[-1].finish_reason == "error" and held[-1].tool_calls is None
+    assert held[-1].error == last.error
+    assert "".join(c.text for c in held) == "".join(c.text for c in got)
 
 
-def test_the_target_worker_names_sampling_parameters_it_does_not_have(tiny):
-    from dlite_ray.serve.config import AppArgs
-    from dlite_ray.serve.target_worker import TargetWorker
-
-    worker = TargetWorker(AppArgs(), engine=_engine(tiny))
-
-    async def first(params):
-        async for chunk in worker.generate(PROMPTS[0], params):
-            return chunk
-
-    try:
-        with pytest.raises(InvalidRequest, match="n, presence_penalty"):
-            asyncio.run(first({"max_new_tokens": 2, "n": 3, "presence_penalty": 1.0}))
-    finally:
-        worker.async_engine.shutdown()
+def test_sampling_parameters_we_do_not_have_are_named():
+    """Refused, never silently ignored (the worker builds a request's SamplingParams so)."""
+    with pytest.raises(InvalidRequest, match="n, presence_penalty"):
+        SamplingParams.from_dict({"max_new_tokens": 2, "n": 3, "presence_penalty": 1.0})

@@ -63,5 +63,5 @@ def test_malformed_messages(engine):
 def test_a_bad_request_leaves_the_engine_usable(engine):
     with pytest.raises(InvalidRequest):
         engine.generate(["fine", ""])
-    assert engine.runner.blocks.num_free_blocks == engine.runner.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
     assert len(engine.generate("hello", max_new_tokens=5)[0].token_ids) == 5

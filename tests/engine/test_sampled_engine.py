@@ -178,4 +178,4 @@ def test_kv_after_rounds_equals_fresh_prefill(tiny_target, tiny_draft):
                                        atol=1e-5, rtol=1e-5)
     for s in seqs:
         engine.abort(s.request_id)
-    assert engine.runner.blocks.num_used_blocks == 0 or engine.boundaries is not None
+    assert engine.scheduler.blocks.num_used_blocks == 0 or engine.scheduler.boundaries is not None
