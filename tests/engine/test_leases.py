@@ -54,7 +54,7 @@ def test_next_turn_moves_the_lease_to_the_newest_boundary(tiny_target, tiny_draf
     engine = make_engine(tiny_target, tiny_draft, block_size=4, boundary_capacity=8)
     first = _run(engine, _prompt(0), lease="conv-a")
     second = _run(engine, list(first.token_ids) + _prompt(9, 5), lease="conv-a")
-    assert engine.held_leases == ["conv-a"] and len(engine.boundaries) == 2
+    assert engine.held_leases == ["conv-a"] and len(engine.scheduler.boundaries) == 2
     assert _continue(engine, second).stats.resumed_from_boundary
 
 
