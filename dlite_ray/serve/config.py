@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    target: str | None = Field(None, description="HF directory or .gguf of the target; null = embedded SmolLM2-135M-Instruct")
-    draft: str = Field("default", description="draft checkpoint directory, 'default' (shipped) or 'none' (plain decoding)")
+    target: str | None = Field(
+        None, description="HF directory or .gguf of the target; null = embedded SmolLM2-135M-Instruct")
+    draft: str = Field(
+        "default", description="draft checkpoint directory, 'default' (shipped) or 'none' (plain decoding)")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and activations dtype")
     device: Literal["cpu", "cuda"] = Field("cpu", description="device of the target (and of the draft, on its own GPU)")
     attention_backend: Literal["auto", "sdpa", "flash_attn"] = Field("auto", description="target attention kernel")
@@ -21,8 +23,10 @@ class EngineArgs(BaseModel):
         None, ge=0, le=15, description="most tokens copied from the context per round instead of drafted; "
                                        "null = 15 with a draft, 0 without; 0 = off")
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
-    disaggregated_draft: bool = Field(True, description="run the draft in its own actor (bundle 1) over torch.distributed")
-    draft_timeout_s: float = Field(30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
+    disaggregated_draft: bool = Field(
+        True, description="run the draft in its own actor (bundle 1) over torch.distributed")
+    draft_timeout_s: float = Field(
+        30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
     draft_payload: Literal["dist", "host"] = Field(
         "dist", description="how a round's tensors reach the draft actor: 'dist' over torch.distributed (NCCL, one "
                             "GPU each; gloo on CPU), 'host' through host memory on the control socket (target and "

@@ -169,7 +169,8 @@ class ConversationStore:
                 del conv.messages[-len(messages):]
             self._db.execute("DELETE FROM turn_keys WHERE conversation_id = ? AND version = ?", (conv.id, version))
             conv.version -= 1
-            conv.state = PAUSED if conv.replica is not None else EVICTED
+            # paused where a replica holds it (or as created, before any turn), else evicted
+            conv.state = PAUSED if conv.replica is not None or conv.version == 0 else EVICTED
             conv.claim_holder = conv.claim_deadline = None
             self._save(conv)
             return True
@@ -215,8 +216,8 @@ class ConversationStore:
     def holding_replicas(self) -> set[str]:
         """Replicas that paused conversations are pinned on."""
         with self._lock:
-            rows = self._db.execute("SELECT DISTINCT replica FROM conversations WHERE state = ? AND replica IS NOT NULL",
-                                    (PAUSED,)).fetchall()
+            rows = self._db.execute("SELECT DISTINCT replica FROM conversations "
+                                    "WHERE state = ? AND replica IS NOT NULL", (PAUSED,)).fetchall()
         return {r for (r,) in rows}
 
     def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:

@@ -68,7 +68,8 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
             raise RuntimeError("the TargetWorker's stream ended without a chunk")
         return self._chunks(first, stream, started), stream.close
 
-    async def _chunks(self, first: GenerateChunk, stream: _WorkerStream, started: float) -> AsyncIterator[GenerateChunk]:
+    async def _chunks(self, first: GenerateChunk, stream: _WorkerStream,
+                      started: float) -> AsyncIterator[GenerateChunk]:
         try:
             chunk = first
             while chunk is not None:

@@ -15,7 +15,8 @@ def proto_chunk(chunk: GenerateChunk) -> dlite_pb2.GenerateChunk:
 
 
 def _proto_tool_call(call: dict) -> dlite_pb2.ToolCall:
-    return dlite_pb2.ToolCall(id=call["id"], name=call["function"]["name"], arguments_json=call["function"]["arguments"])
+    return dlite_pb2.ToolCall(id=call["id"], name=call["function"]["name"],
+                              arguments_json=call["function"]["arguments"])
 
 
 def _proto_logprob(entry: dict) -> dlite_pb2.TokenLogprob:

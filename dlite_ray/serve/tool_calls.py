@@ -82,7 +82,7 @@ def _call(node: ast.expr, tools: dict[str, Tool]) -> ToolCall | None:
     if tool is None or len(node.args) > len(tool.parameters):
         return None
     try:
-        arguments = {p: _literal(a) for p, a in zip(tool.parameters, node.args)}
+        arguments = {p: _literal(a) for p, a in zip(tool.parameters, node.args, strict=False)}
         for kw in node.keywords:
             if kw.arg is None or kw.arg in arguments:  # **kwargs, or a parameter given twice
                 return None

@@ -51,8 +51,10 @@ def test_strict_calls_wait_for_their_replica_while_it_exists():
 
 
 def test_prefix_affinity_yields_to_load():
-    busy_key = next(f"k{i}" for i in range(100)
-                    if rank_replicas([_replica("a"), _replica("b")], prefix_key=f"k{i}")[0][0].replica_id.unique_id == "a")
+    def first(key: str) -> str:
+        return rank_replicas([_replica("a"), _replica("b")], prefix_key=key)[0][0].replica_id.unique_id
+
+    busy_key = next(f"k{i}" for i in range(100) if first(f"k{i}") == "a")
     a, b = _replica("a"), _replica("b")
     a.routing_stats["running"], b.routing_stats["running"] = 9, 1
     assert rank_replicas([a, b], prefix_key=busy_key)[0] == [b]  # a is preferred by hash but far busier

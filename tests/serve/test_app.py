@@ -194,7 +194,7 @@ def test_completion_logprobs_in_the_legacy_shape(serve_app):
                for top, token, chosen in zip(lp["top_logprobs"], lp["tokens"], lp["token_logprobs"], strict=True))
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     whole = next((i for i, t in enumerate(lp["tokens"]) if "\ufffd" in t), len(lp["tokens"]))
-    for token, offset in zip(lp["tokens"][:whole], lp["text_offset"][:whole]):  # up to a split character
+    for token, offset in zip(lp["tokens"][:whole], lp["text_offset"][:whole], strict=True):  # up to a split character
         assert choice["text"][offset:offset + len(token)] == token
     streamed = requests.post(f"{URL}/v1/completions", json=body | {"stream": True}, headers=AUTH_A, stream=True,
                              timeout=120)
@@ -502,3 +502,28 @@ def test_conversations_over_http_and_malformed_bodies(serve_app):
         r = requests.post(f"{URL}{path}", json=body, headers=AUTH_A, timeout=60)
         assert r.status_code == 400, (path, body, r.text)
     assert requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=60).json()["version"] == 1
+
+
+def test_a_prompt_over_the_context_is_refused_before_any_response(serve_app):
+    """The worker tokenizes and validates (no separate encode call); the ingress waits for the
+    stream's first chunk, so a refused request is a 400 / INVALID_ARGUMENT, never a 200 stream
+    that then fails, and a refused conversation turn leaves its history as it was."""
+    long = [{"role": "user", "content": "word " * 2000}]  # past the tiny model's 512 positions
+    for stream in (False, True):
+        r = requests.post(f"{URL}/v1/chat/completions", json={"messages": long, "max_tokens": 4, "stream": stream},
+                          headers=AUTH_A, timeout=120)
+        assert r.status_code == 400 and "does not fit" in r.json()["error"]["message"], (stream, r.text)
+    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in long], max_tokens=4)
+        with pytest.raises(grpc.RpcError) as err:
+            list(dlite_pb2_grpc.DLiteServiceStub(channel).Generate(req, metadata=GRPC_A, timeout=120))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    cid = requests.post(f"{URL}/v1/conversations", json={"messages": MESSAGES}, headers=AUTH_A, timeout=60).json()["id"]
+    for _ in range(2):  # a retry piles up nothing
+        turn = requests.post(f"{URL}/v1/conversations/{cid}/messages", json={"messages": long, "max_tokens": 4},
+                             headers={**AUTH_A, "idempotency-key": "k1"}, timeout=120)
+        assert turn.status_code == 400, turn.text
+    stored = requests.get(f"{URL}/v1/conversations/{cid}", headers=AUTH_A, timeout=60).json()
+    assert (stored["messages"], stored["version"], stored["state"]) == (MESSAGES, 0, "paused")
+    ok = requests.post(f"{URL}/v1/conversations/{cid}/messages", json={"max_tokens": 4}, headers=AUTH_A, timeout=120)
+    assert ok.status_code == 200 and ok.json()["finish_reason"], ok.text

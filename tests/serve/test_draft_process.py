@@ -50,8 +50,8 @@ def tiny(tiny_pair):
 def _greedy_request(local: InProcessDraftTransport, hidden: int) -> DraftRequest:
     torch.manual_seed(0)
     feats = torch.randn(2, local.draft.cfg.num_slots, hidden).to(torch.bfloat16).float()
-    return DraftRequest(torch.tensor([[5], [9]]), feats, 4, RowSampling.build([1.0] * 2, [0] * 2, [1.0] * 2, [None] * 2),
-                        torch.tensor([True, True]))
+    sampling = RowSampling.build([1.0] * 2, [0] * 2, [1.0] * 2, [None] * 2)
+    return DraftRequest(torch.tensor([[5], [9]]), feats, 4, sampling, torch.tensor([True, True]))
 
 
 @pytest.mark.parametrize("fault", ["killed", "slow"])

@@ -199,7 +199,8 @@ def test_oversized_prompts_and_histories_are_refused_before_anything_is_tokenize
                                     timeout=HANG_GUARD_S)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_message_chars" in err.value.details()
         n = LIMITS.max_body_bytes // LIMITS.max_message_chars + 1  # a message over max_body_bytes
-        flood = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(role="user", content="x" * LIMITS.max_message_chars)] * n)
+        full = dlite_pb2.Message(role="user", content="x" * LIMITS.max_message_chars)
+        flood = dlite_pb2.GenerateRequest(messages=[full] * n)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Generate(flood, metadata=GRPC_A, timeout=HANG_GUARD_S))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_body_bytes" in err.value.details()

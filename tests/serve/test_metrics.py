@@ -13,7 +13,7 @@ def _stats(connected: bool, restarts: int) -> WorkerStats:
 
 
 def _gauge(text: str, name: str) -> float:
-    line = next(l for l in text.splitlines() if l.startswith(name + " "))
+    line = next(row for row in text.splitlines() if row.startswith(name + " "))
     return float(line.split()[1])
 
 
