@@ -45,11 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     rb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 
     bench = sub.add_parser("bench", help="DLite vs plain decoding vs transformers' methods, side by side")
-    bench.add_argument("--workload", default="dev", help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
+    bench.add_argument("--workload", default="dev",
+                       help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
-                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, dlite-b, "
-                            "dlite-nolookup (the draft without context lookup), dlite-fixed (full draft and copy length "
-                            "every round, no adaptive policy), lookup (context lookup alone), llama.cpp and llama.cpp-bf16 "
+                       help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, "
+                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-fixed (full draft and "
+                            "copy length every round, no adaptive policy), lookup (context lookup alone), llama.cpp "
+                            "and llama.cpp-bf16 "
                             "(llama-cpp-python on the target's GGUF as stored / converted to bf16; "
                             "pip install -e '.[llamacpp]')")
     bench.add_argument("--target", default=None)
@@ -179,10 +181,11 @@ def cmd_generate(args) -> int:
     if stream is not None:
         print(stream.push([], finished=True))  # what was held back, up to any stop
     if args.json:
-        keys = ("accept_lengths", "copied_rounds", "mean_accept_length", "prefill_time", "decode_wall_time", "draft_time",
-                "verify_time", "decode_tokens_per_second")
+        keys = ("accept_lengths", "copied_rounds", "mean_accept_length", "prefill_time", "decode_wall_time",
+                "draft_time", "verify_time", "decode_tokens_per_second")
+        stats = result.stats.as_dict()
         print(json.dumps({"text": result.text, "token_ids": result.token_ids,
-                          "finish_reason": result.finish_reason, "stats": {k: result.stats.as_dict()[k] for k in keys}}))
+                          "finish_reason": result.finish_reason, "stats": {k: stats[k] for k in keys}}))
     return 0
 
 
@@ -273,7 +276,8 @@ def cmd_gpu_check(args) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
-            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup, "loadtest": cmd_loadtest,
+            "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup,
+            "loadtest": cmd_loadtest,
             "soak": cmd_soak, "train": cmd_train, "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":

@@ -182,7 +182,10 @@ def run(args) -> dict:
 
 def format_summary(report: dict) -> str:
     lat, greedy = report["latency_s"], report["greedy"]
-    fmt = (lambda v: "-" if v is None else f"{v:.3f}")
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}"
+
     return (f"{report['requests']} requests ({report['requests_ok']} ok) in {report['wall_s']:.1f} s from "
             f"{report['config']['clients']} clients; errors {report['errors'] or 'none'} "
             f"(unexplained: {report['unexplained_errors']}); conversations {report['conversations']} "

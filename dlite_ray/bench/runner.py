@@ -214,7 +214,7 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
     for n in levels:
         batch = [items[i % len(items)] for i in range(n)]
         runs: dict[str, list[dict]] = {name: [] for name in engines}
-        for name, engine in engines.items():
+        for engine in engines.values():
             engine.generate(batch[:1], max_new_tokens=4)  # warm-up
         for rep in range(repeats):
             order = list(engines.items()) if rep % 2 == 0 else list(reversed(engines.items()))

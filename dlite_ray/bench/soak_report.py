@@ -132,7 +132,10 @@ def stuck_bound(cfg) -> float:
 
 def format_summary(report: dict) -> str:
     cfg, b, a, greedy = report["config"], report["tenant_b"], report["tenant_a"], report["greedy"]
-    fmt = (lambda v: "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v))
+
+    def fmt(v):
+        return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
     lines = [(f"soak: solo {cfg['solo_s']:.0f} s, soak {cfg['duration_s']:.0f} s; tenant B {cfg['clients']} "
               f"clients, tenant A {cfg['abusers']} abusers; a fault every {cfg['fault_period_s']:.0f} s"),
              "", f"{'B latency (s)':<26}{'n':>6}{'p50':>9}{'p99':>9}{'max':>9}"]

@@ -103,7 +103,7 @@ def _long_context(limit: int) -> list[Item]:
     for tokens in (2000, 4000, 7000)[: max(1, limit)]:
         chars = tokens * 3  # ~3 characters per token for Python source with this tokenizer
         text = source[:chars]
-        items.append(Item(f"long-{tokens}", [{"role": "user", "content":
-                                               f"Here is some Python code:\n```python\n{text}\n```\n"
-                                               "Summarise what the last function above does."}], tag=f"{tokens // 1000}K"))
+        content = (f"Here is some Python code:\n```python\n{text}\n```\n"
+                   "Summarise what the last function above does.")
+        items.append(Item(f"long-{tokens}", [{"role": "user", "content": content}], tag=f"{tokens // 1000}K"))
     return items

@@ -127,9 +127,9 @@ class AsyncEngine:
             for out in outputs:
                 seq = out.seq
                 new = out.new_token_ids
-                chunk = Chunk(new, seq.is_finished, seq.finish_reason, RequestStats.of(seq) if seq.is_finished else None,
-                              seq.logprobs[len(seq.logprobs) - len(new):] if seq.logprobs is not None else None,
-                              seq.error)
+                stats = RequestStats.of(seq) if seq.is_finished else None
+                logprobs = seq.logprobs[len(seq.logprobs) - len(new):] if seq.logprobs is not None else None
+                chunk = Chunk(new, seq.is_finished, seq.finish_reason, stats, logprobs, seq.error)
                 self._emit(seq.request_id, chunk, final=seq.is_finished)
 
     def _snapshot_leases(self) -> None:

@@ -206,7 +206,8 @@ class Sequence:
             if (tok in eos_ids and not self.params.ignore_eos) or tok in self.params.stop_token_ids:
                 self.finish(FINISH_STOP)
                 break
-            if self.stop_strings is not None and self.stop_strings.completed_by_last(self.token_ids, self.num_prompt_tokens):
+            stops = self.stop_strings
+            if stops is not None and stops.completed_by_last(self.token_ids, self.num_prompt_tokens):
                 self.finish(FINISH_STOP)
                 break
             if self.num_outputs >= self.params.max_new_tokens:

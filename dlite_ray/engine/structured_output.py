@@ -198,7 +198,8 @@ class OutputGrammar:
             self.matcher.rollback(filled)
         allowed = unpack_bitmask(bitmask[:rows], self.vocab_size)
         for row in (~allowed.any(dim=1)).nonzero().flatten().tolist():
-            allowed[row, list(self.eos_ids)] = True  # never seen (llguidance allows EOS when it stops); guards the batch
+            # never seen (llguidance allows EOS when it stops); guards the batch
+            allowed[row, list(self.eos_ids)] = True
         return allowed
 
     def forced_tokens(self, limit: int) -> list[int]:

@@ -35,7 +35,8 @@ def row_exactness(runner: ModelRunner, contexts: list[int], vocab: int) -> dict:
     """Verify VERIFY_ROWS tokens per sequence in one forward, then decode each of those
     tokens again (all sequences together, one row each, over the same KV): every row's
     logits must have the same bits. This is the engine's batch shape in both steps."""
-    seqs = [Sequence(p, SamplingParams(max_new_tokens=VERIFY_ROWS)) for p in ragged_prompts(len(contexts), contexts, vocab, 7)]
+    prompts = ragged_prompts(len(contexts), contexts, vocab, 7)
+    seqs = [Sequence(p, SamplingParams(max_new_tokens=VERIFY_ROWS)) for p in prompts]
     block = torch.randint(0, vocab, (len(seqs), VERIFY_ROWS), generator=torch.Generator().manual_seed(8)).tolist()
     first = []
     for seq in seqs:  # the prompt minus its last VERIFY_ROWS tokens is the KV history

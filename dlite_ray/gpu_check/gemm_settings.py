@@ -47,7 +47,9 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: torc
     key = (FrozenLinear, out_features, in_features, False, dtype, device)
     weight = torch.randn(out_features, in_features, dtype=dtype, device=device) * 0.02
     linear = FrozenLinear(weight)
-    times = {f"rows{r}_ms": timed_ms(lambda r=r: linear(torch.randn(r, in_features, dtype=dtype, device=device)), device)
-             for r in (1, 8, 64, 512)}
+    def run(rows: int) -> torch.Tensor:
+        return linear(torch.randn(rows, in_features, dtype=dtype, device=device))
+
+    times = {f"rows{r}_ms": timed_ms(lambda r=r: run(r), device) for r in (1, 8, 64, 512)}
     return {"min_rows": fewest_exact_rows.__wrapped__(*key), "large_calls_agree": large_calls_agree.__wrapped__(*key),
             **times}

@@ -139,7 +139,8 @@ def _linear_shapes(cfg) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of each of a layer's linears, fused as frozen."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     return {"qkv": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
-            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+            "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
+            "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
 
 
 def _weight_bytes(model) -> int:

@@ -245,4 +245,5 @@ def _check_compatible(cfg: DraftConfig, target_embedding: nn.Embedding, num_targ
     if lc.vocab_size != vocab:
         raise DraftConfigError(f"draft vocabulary {lc.vocab_size} != target vocabulary {vocab}")
     if cfg.num_target_layers != num_target_layers:
-        raise DraftConfigError(f"draft was made for {cfg.num_target_layers} target layers, target has {num_target_layers}")
+        raise DraftConfigError(
+            f"draft was made for {cfg.num_target_layers} target layers, target has {num_target_layers}")

@@ -92,7 +92,8 @@ def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, n
         v = qkv[..., (num_heads + num_kv_heads) * dh:].unflatten(-1, (num_kv_heads, dh))
         return qk[..., :num_heads, :], qk[..., num_heads:, :], v
     rows = qkv.shape[0]
-    return ops.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh), num_heads, num_kv_heads)
+    return ops.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh),
+                          num_heads, num_kv_heads)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

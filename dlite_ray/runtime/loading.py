@@ -22,7 +22,8 @@ class CheckpointError(ValueError):
     """The checkpoint is missing, incomplete or does not match its config."""
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TargetModel:
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> TargetModel:
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         hf_config, state = _read_gguf(path)
@@ -51,7 +52,8 @@ def build_target(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.
         raise CheckpointError(f"checkpoint has {len(unexpected)} unknown weights, e.g. {sorted(unexpected)[:3]}")
     for name, tensor in model.state_dict().items():
         if name in state and state[name].shape != tensor.shape:
-            raise CheckpointError(f"{name}: checkpoint shape {tuple(state[name].shape)} != config shape {tuple(tensor.shape)}")
+            raise CheckpointError(
+                f"{name}: checkpoint shape {tuple(state[name].shape)} != config shape {tuple(tensor.shape)}")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in expected}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

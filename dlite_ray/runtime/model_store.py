@@ -34,8 +34,9 @@ class ModelFetchError(RuntimeError):
 
 
 def cache_root() -> Path:
-    root = os.environ.get(CACHE_ENV_VAR) or os.path.join(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "dlite-ray")
-    return Path(root)
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dlite-ray"
 
 
 def default_model_dir() -> Path:

@@ -56,7 +56,8 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: PagedKVCache, backend: SdpaBackend | FlashAttnBackend) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, cache: PagedKVCache,
+                backend: SdpaBackend | FlashAttnBackend) -> ForwardOutput:
         x = self.embed_tokens(batch.input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         want_taps = batch.tap_indices is not None and batch.tap_indices.numel() > 0

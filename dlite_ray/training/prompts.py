@@ -183,8 +183,8 @@ def _bfcl_multi_turn(data: Path) -> list[PromptSample]:
         turns = [t[0]["content"] for t in row["question"] if t]
         if not functions or len(turns) < 2:
             continue
-        out.append(PromptSample(row["id"], "multi_turn", [_tool_system(functions), {"role": "user", "content": turns[0]}],
-                                later_turns=turns[1:3]))
+        first = [_tool_system(functions), {"role": "user", "content": turns[0]}]
+        out.append(PromptSample(row["id"], "multi_turn", first, later_turns=turns[1:3]))
     return out
 
 
@@ -198,7 +198,8 @@ def stdlib_code_tasks(rng: random.Random, count: int) -> list[PromptSample]:
             text = f"Explain what this function from the `{module}` module does:\n\n```python\n{src}\n```"
         elif kind == 1:
             lines = src.splitlines()
-            text = "Complete this Python function:\n\n```python\n" + "\n".join(lines[: max(2, len(lines) // 2)]) + "\n```"
+            head = "\n".join(lines[: max(2, len(lines) // 2)])
+            text = "Complete this Python function:\n\n```python\n" + head + "\n```"
         elif kind == 2:
             text = f"Write a pytest unit test for this function:\n\n```python\n{src}\n```"
         else:

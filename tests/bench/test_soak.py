@@ -343,7 +343,8 @@ def test_a_fault_explains_what_its_clients_are_told_during_its_window_and_nothin
 
 
 @pytest.mark.parametrize("spoil, check", [
-    (lambda r: r["conversations"].append(ConversationLog("c2", [], lost=True, detail="stored 2, expected 3", probe="ok")),
+    (lambda r: r["conversations"].append(
+        ConversationLog("c2", [], lost=True, detail="stored 2, expected 3", probe="ok")),
      "lost_conversations"),
     (lambda r: r["conversations"].append(ConversationLog("c3", [], probe="stuck")), "stuck_conversations"),
     (lambda r: r["abuser_probes"].append("stuck"), "stuck_conversations"),

@@ -55,7 +55,8 @@ def test_cli_generate_json_contract():
 def test_cli_streams_a_reply_up_to_its_stop_string():
     def generate(*flags):
         out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "Name three colours.",
-                              "--max-new-tokens", "24", *flags], capture_output=True, text=True, timeout=300, check=False)
+                              "--max-new-tokens", "24", *flags],
+                             capture_output=True, text=True, timeout=300, check=False)
         assert out.returncode == 0, out.stderr
         return out.stdout
 
@@ -66,7 +67,8 @@ def test_cli_streams_a_reply_up_to_its_stop_string():
 
 def test_cli_reports_bad_input_clearly():
     out = subprocess.run([sys.executable, "-m", "dlite_ray.cli", "generate", "--prompt", "x",
-                          "--max-new-tokens", "0", "--draft", "none"], capture_output=True, text=True, timeout=300, check=False)
+                          "--max-new-tokens", "0", "--draft", "none"],
+                         capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 2 and "max_new_tokens must be > 0" in out.stderr
 
 

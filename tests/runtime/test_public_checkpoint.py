@@ -70,8 +70,10 @@ def write_public_draft(directory, target_hf: dict, version: str, seed: int = 0):
     for i in range(DRAFT_LAYERS):
         p = f"layers.{i}."
         state.update({
-            p + "self_attn.q_proj.weight": linear(heads * dh, d), p + "self_attn.k_proj.weight": linear(kv_heads * dh, d),
-            p + "self_attn.v_proj.weight": linear(kv_heads * dh, d), p + "self_attn.o_proj.weight": linear(d, heads * dh),
+            p + "self_attn.q_proj.weight": linear(heads * dh, d),
+            p + "self_attn.k_proj.weight": linear(kv_heads * dh, d),
+            p + "self_attn.v_proj.weight": linear(kv_heads * dh, d),
+            p + "self_attn.o_proj.weight": linear(d, heads * dh),
             p + "self_attn.q_norm.weight": norm(dh), p + "self_attn.k_norm.weight": norm(dh),
             p + "mlp.gate_proj.weight": linear(inter, d), p + "mlp.up_proj.weight": linear(inter, d),
             p + "mlp.down_proj.weight": linear(d, inter),
