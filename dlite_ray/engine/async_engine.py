@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from dlite_ray.engine.engine import DLiteEngine, Prompt
@@ -45,8 +45,11 @@ class EngineLoad:
 
 
 class AsyncEngine:
-    def __init__(self, engine: DLiteEngine):
+    def __init__(self, engine: DLiteEngine, before_step: Callable[[int], None] | None = None):
+        """before_step: called on the engine thread before each step with the number of
+        unfinished requests (a server sizes its CPU threads to its load with it)."""
         self.engine = engine
+        self._before_step = before_step
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
@@ -118,6 +121,8 @@ class AsyncEngine:
             if not self.engine.has_unfinished():
                 continue
             try:
+                if self._before_step is not None:
+                    self._before_step(len(self.engine.scheduler.running) + len(self.engine.scheduler.waiting))
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step fails its requests, not the loop
                 log.exception("engine step failed")

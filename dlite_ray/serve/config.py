@@ -32,9 +32,9 @@ class EngineArgs(BaseModel):
                             "GPU each; gloo on CPU), 'host' through host memory on the control socket (target and "
                             "draft share one GPU, half of it each: NCCL refuses two ranks on one device)")
     cpu_threads: int | None = Field(
-        None, ge=1, description="torch threads of the target on CPU; null = every core the worker may run on but "
-                                "one, left to the ingress, proxy and draft (not Ray's logical num_cpus, 0 on small "
-                                "machines); every core is faster for one request at a time, slower under load")
+        None, ge=1, description="torch threads of the target on CPU; null = follow the load: every core the worker "
+                                "may run on while one request runs, all but one (left to the ingress, proxy and "
+                                "draft) when more do (not Ray's logical num_cpus, 0 on small machines)")
     draft_cpu_threads: int = Field(
         1, ge=1, description="torch threads of the draft actor on CPU: one by default, so that its idle OpenMP "
                             "threads do not spin against the target's forward")

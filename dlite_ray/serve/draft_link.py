@@ -18,6 +18,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dlite_ray.engine.draft_transport import DraftInfo
+from dlite_ray.engine.engine_config import normalize_device
 from dlite_ray.serve.draft_process import PairLink
 from dlite_ray.serve.draft_worker import DraftWorker
 from dlite_ray.serve.pair_channels import PayloadKind
@@ -75,7 +76,7 @@ class DraftLink(PairLink):
         gpu_share = 0.5 if payload == "host" else 1  # as app.pair_gpu_share gives the bundles
         spec = (target_path, draft_path, num_target_layers, dtype, device, cpu_threads)
         super().__init__(info, vocab_size, ActorLauncher(spec, gpu_share),
-                         device=torch.device("cuda:0" if device == "cuda" else "cpu"), payload=payload,
+                         device=torch.device(normalize_device(device)), payload=payload,
                          timeout_s=timeout_s, join_timeout_s=JOIN_TIMEOUT_S)
 
     def kill_actor(self) -> None:

@@ -25,12 +25,12 @@ from typing import Protocol
 import torch
 
 from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, DraftUnavailable
+from dlite_ray.engine.engine_config import torch_dtype
 from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.serve.dist_transport import DraftServer, PairTransport
 from dlite_ray.serve.pair_channels import PayloadKind
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DraftFactory = Callable[[torch.device], DLiteDraftModel]
 
 
@@ -194,8 +194,8 @@ class DraftSource:
             return self.draft(device), self.fingerprint or f"factory:{name}"
         if self.target is None:
             raise ValueError("a draft checkpoint needs its target (for the token embedding)")
-        embedding, num_layers = _target_embedding(Path(self.target), DTYPES[self.dtype])
-        draft = DLiteDraftModel.load(self.draft, embedding, num_layers, DTYPES[self.dtype], device)
+        embedding, num_layers = _target_embedding(Path(self.target), torch_dtype(self.dtype))
+        draft = DLiteDraftModel.load(self.draft, embedding, num_layers, torch_dtype(self.dtype), device)
         draft.embed_tokens.to(device)
         return draft, self.fingerprint or checkpoint_fingerprint(self.draft)
 

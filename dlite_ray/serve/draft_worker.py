@@ -9,24 +9,24 @@ import logging
 import ray
 import torch
 
+from dlite_ray.engine.engine_config import normalize_device, torch_dtype
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_embedding
 from dlite_ray.serve.cpu_threads import use_cpu_threads
 from dlite_ray.serve.dist_transport import DraftServer
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @ray.remote
 class DraftWorker:
     def __init__(self, target_path: str, draft_path: str, num_target_layers: int, dtype: str, device: str,
                  cpu_threads: int):
-        self.device = torch.device("cuda:0" if device == "cuda" else "cpu")  # each actor sees its GPU as cuda:0
+        self.device = torch.device(normalize_device(device))
         if device == "cpu":
             use_cpu_threads(cpu_threads)
-        embedding = load_embedding(target_path, DTYPES[dtype])
-        self.draft = DLiteDraftModel.load(draft_path, embedding, num_target_layers, DTYPES[dtype], self.device)
+        embedding = load_embedding(target_path, torch_dtype(dtype))
+        self.draft = DLiteDraftModel.load(draft_path, embedding, num_target_layers, torch_dtype(dtype), self.device)
         self.draft.embed_tokens.to(self.device)
         self.fingerprint = checkpoint_fingerprint(draft_path)
         self._server: DraftServer | None = None

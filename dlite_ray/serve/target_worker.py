@@ -14,6 +14,7 @@ from dlite_ray.engine.engine import DLiteEngine, Prompt
 from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.engine.stream_text import TextStream
 from dlite_ray.serve.config import AppArgs, EngineArgs
+from dlite_ray.serve.cpu_threads import target_thread_policy
 from dlite_ray.serve.engine_factory import engine_from_args
 from dlite_ray.serve.logprobs import TokenRenderer
 from dlite_ray.serve.worker_messages import GenerateChunk, WorkerStats
@@ -29,7 +30,8 @@ class TargetWorker:
         that returns a small engine)."""
         self.args = args
         self.engine = engine_factory(args.engine)
-        self.async_engine = AsyncEngine(self.engine)
+        threads = target_thread_policy(args.engine.device, args.engine.cpu_threads)
+        self.async_engine = AsyncEngine(self.engine, before_step=threads)
         self.renderer = TokenRenderer(self.engine.tokenizer)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id

@@ -1,5 +1,7 @@
 """The Serve application end to end on CPU: target and draft in two processes over gloo,
-OpenAI HTTP (streaming and not), gRPC Generate, typed errors, a killed draft actor."""
+OpenAI HTTP (streaming and not), gRPC Generate, typed errors, a killed draft actor. What
+the ingress does with a request (validation, credentials, endpoints, conversations) is
+tested in one process, without Ray: test_ingress_local.py, test_conversations_local.py."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import requests
 
 from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
-from tests.serve.conftest import AUTH_A, GRPC_A, GRPC_B, GRPC_PORT, HTTP_PORT
+from tests.serve.conftest import AUTH_A, GRPC_A, GRPC_PORT, HTTP_PORT
 
 URL = f"http://127.0.0.1:{HTTP_PORT}"
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
@@ -361,44 +363,6 @@ def test_structured_output_over_http_grpc_and_conversations(serve_app, tiny_serv
     assert set(json.loads(turn["message"]["content"])) == {"tag", "n"}
 
 
-def test_models_health_and_metrics(serve_app):
-    assert requests.get(f"{URL}/healthz", timeout=30).json() == {"status": "ok"}
-    assert requests.get(f"{URL}/v1/models", timeout=30).json()["data"][0]["id"]
-    metrics = requests.get(f"{URL}/metrics", headers=AUTH_A, timeout=30).text  # operational figures need a key
-    assert "dlite_accept_length_bucket" in metrics and "dlite_kv_blocks_total" in metrics
-
-
-@pytest.mark.parametrize("body, message", [
-    ({"messages": MESSAGES, "temperature": -1}, "temperature"),
-    ({"messages": MESSAGES, "top_p": 1.5}, "top_p"),
-    ({"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
-    ({"messages": MESSAGES, "max_tokens": 10**6}, "cap"),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, "role"),
-    ({"messages": "hello"}, "messages"),
-    ({"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": MESSAGES, "stop": [""]}, "stop"),
-    ({"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options needs stream"),
-    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, "response_format"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "objekt"}}}}, "not usable"),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}, "tool_choice": "required", "tools": [
-        {"type": "function", "function": {"name": "f"}}]}, "ask for one of them"),
-])
-def test_bad_requests_get_openai_errors(serve_app, body, message):
-    r = requests.post(f"{URL}/v1/chat/completions", json=body, headers=AUTH_A, timeout=30)
-    assert r.status_code == 400
-    assert message in r.json()["error"]["message"]
-
-
-def test_non_utf8_and_oversized_bodies(serve_app):
-    r = requests.post(f"{URL}/v1/chat/completions", data=b"\xff\xfe{", headers=AUTH_A, timeout=30)
-    assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"]
-    r = requests.post(f"{URL}/v1/chat/completions", data=b"x" * (5 << 20), headers=AUTH_A, timeout=30)
-    assert r.status_code == 413
-
-
 def test_grpc_invalid_argument(serve_app):
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = dlite_pb2_grpc.DLiteServiceStub(channel)
@@ -429,57 +393,6 @@ def test_killing_the_draft_actor_mid_stream_still_completes(serve_app, reference
     again = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, headers=AUTH_A,
                       timeout=120)
     assert again.json()["choices"][0]["message"]["content"] == reference.text
-
-
-def test_credentials_are_required(serve_app):
-    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES}, timeout=30)
-    assert r.status_code == 401
-    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES},
-                      headers={"authorization": "Bearer wrong"}, timeout=30)
-    assert r.status_code == 401
-    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
-        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(dlite_pb2.GenerateRequest(prompt="hi", max_tokens=2),
-                               metadata=(("application", "dlite"),), timeout=60))
-    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-
-
-def test_a_tool_loop_over_grpc_conversations(serve_app, tiny_serving_model):
-    from dlite_ray.engine.engine import DLiteEngine
-
-    target_dir, draft_dir = tiny_serving_model
-    library = DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
-    tool_result = {"role": "tool", "content": "result: 42"}
-    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
-        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
-        conv = stub.CreateConversation(dlite_pb2.CreateConversationRequest(
-            messages=[dlite_pb2.Message(**m) for m in MESSAGES]), metadata=GRPC_A, timeout=60)
-        first = list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(
-            conversation_id=conv.conversation_id, max_tokens=16), metadata=GRPC_A, timeout=120))
-        second = list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(
-            conversation_id=conv.conversation_id, messages=[dlite_pb2.Message(**tool_result)], max_tokens=16),
-            metadata=GRPC_A, timeout=120))
-        stored = stub.GetConversation(dlite_pb2.GetConversationRequest(conversation_id=conv.conversation_id),
-                                      metadata=GRPC_A, timeout=60)
-        # another tenant: the conversation does not exist
-        for call, req in ((stub.GetConversation, dlite_pb2.GetConversationRequest),
-                          (stub.DeleteConversation, dlite_pb2.DeleteConversationRequest)):
-            with pytest.raises(grpc.RpcError) as err:
-                call(req(conversation_id=conv.conversation_id), metadata=GRPC_B, timeout=60)
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(conversation_id=conv.conversation_id, max_tokens=4),
-                                        metadata=GRPC_B, timeout=60))
-        assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    reply1 = library.generate(MESSAGES, max_new_tokens=16)[0]
-    assert "".join(c.text for c in first) == reply1.text
-    history = MESSAGES + [{"role": "assistant", "content": reply1.text}, tool_result]
-    reply2 = library.generate(history, max_new_tokens=16)[0]
-    assert "".join(c.text for c in second) == reply2.text
-    assert second[-1].stats.cached_prompt_tokens > 0  # the history's KV was reused
-    assert [m.role for m in stored.messages] == ["user", "assistant", "tool", "assistant"]
-    assert stored.version == 2 and stored.state == "paused"
 
 
 def test_conversations_over_http_and_malformed_bodies(serve_app):

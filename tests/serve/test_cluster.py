@@ -358,7 +358,8 @@ def test_dockerfile_versions_agree_with_the_project():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     args = dockerfile_args()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    pins = dict(re.match(r"([\w\[\]-]+)==(\S+)", d).groups() for d in project["dependencies"] if "==" in d)
+    declared = project["dependencies"] + project["optional-dependencies"]["serve"]
+    pins = dict(re.match(r"([\w\[\]-]+)==(\S+)", d).groups() for d in declared if "==" in d)
     ray_version, py, cuda = re.fullmatch(r"rayproject/ray:([\d.]+)-py(\d+)-(cu\d+)", args["RAY_IMAGE"]).groups()
     assert ray_version == ray.__version__ and pins["ray[serve]"].rstrip(".*") in ray_version
     assert rayservice()["spec"]["rayClusterConfig"]["rayVersion"] == ray_version

@@ -1,0 +1,25 @@
+"""The target's CPU threads follow its load (serve/cpu_threads.py)."""
+
+import torch
+
+from dlite_ray.serve.cpu_threads import LoadFollowingThreads, target_thread_policy
+
+
+def test_every_core_for_one_request_and_one_fewer_under_load():
+    before = torch.get_num_threads()
+    policy = LoadFollowingThreads(solo=3, busy=2)
+    try:
+        seen = []
+        for running in (1, 0, 2, 5, 1):
+            policy(running)
+            seen.append(torch.get_num_threads())
+        assert seen == [3, 3, 2, 2, 3]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_fixed_count_or_an_accelerator_has_no_policy():
+    assert target_thread_policy("cpu", 2) is None
+    assert target_thread_policy("cuda", None) is None
+    policy = target_thread_policy("cpu", None)
+    assert policy is not None and policy.busy == max(1, policy.solo - 1)
