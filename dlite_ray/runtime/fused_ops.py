@@ -124,10 +124,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 
 
 def attends_decode_rows(q: torch.Tensor) -> bool:
-    """Whether `decode_attention` serves these query rows [T, Hq, Dh]: a head dim of 64 or
-    128, in inference, on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16); else the CPU
-    flash kernel does."""
-    return q.shape[-1] in (64, 128) and _fused(q) is not None and q.dtype in decode_attention_dtypes()
+    """Whether `decode_attention` serves these query rows [T, Hq, Dh] (see
+    `decode_kernel_serves`); else the CPU flash kernel does."""
+    return _fused(q) is not None and decode_kernel_serves(q.shape[-1], q.dtype)
+
+
+def decode_kernel_serves(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether CPU decode and verify rows of this head dim and cache dtype go through our
+    kernel: a head dim of 64 or 128 on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16).
+    Its rows have the same bits whatever torch's thread count; the CPU flash kernel's
+    float32 verify rows do not (tests/runtime/test_default_model.py)."""
+    return head_dim in (64, 128) and kernels() is not None and dtype in decode_attention_dtypes()
 
 
 @functools.cache

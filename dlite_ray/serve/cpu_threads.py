@@ -23,6 +23,9 @@ import os
 
 import torch
 
+from dlite_ray.runtime.fused_ops import decode_kernel_serves
+from dlite_ray.runtime.target_model import TargetModel
+
 
 def usable_cores() -> int:
     return len(os.sched_getaffinity(0))
@@ -51,9 +54,13 @@ class LoadFollowingThreads:
             torch.set_num_threads(want)
 
 
-def target_thread_policy(device: str, cpu_threads: int | None) -> LoadFollowingThreads | None:
+def target_thread_policy(device: str, cpu_threads: int | None, target: TargetModel) -> LoadFollowingThreads | None:
     """The target's per-step thread policy: load-following on CPU unless `cpu_threads` fixes
-    the count (set once, when the engine is built)."""
+    the count (set once, when the engine is built), or where a row's bits would change with
+    the thread count (attention by the CPU flash kernel, not ours), which would make a reply
+    at T = 0 depend on the server's load."""
     if device != "cpu" or cpu_threads is not None:
+        return None
+    if not decode_kernel_serves(target.cfg.head_dim, target.embed_tokens.weight.dtype):
         return None
     return LoadFollowingThreads()

@@ -30,7 +30,7 @@ class TargetWorker:
         that returns a small engine)."""
         self.args = args
         self.engine = engine_factory(args.engine)
-        threads = target_thread_policy(args.engine.device, args.engine.cpu_threads)
+        threads = target_thread_policy(args.engine.device, args.engine.cpu_threads, self.engine.target)
         self.async_engine = AsyncEngine(self.engine, before_step=threads)
         self.renderer = TokenRenderer(self.engine.tokenizer)
         try:

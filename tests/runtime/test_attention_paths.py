@@ -144,10 +144,11 @@ def test_a_sequence_that_overflowed_does_not_disturb_another():
 
 
 @pytest.fixture
-def odd_thread_count():
+def odd_thread_count(monkeypatch):
     """Three threads: HKV = 2 heads then do not share out evenly, so long calls split their keys."""
     before = torch.get_num_threads()
     torch.set_num_threads(3)
+    monkeypatch.setattr(cpu_exactness, "SPLIT_THREADS", 3)
     yield
     torch.set_num_threads(before)
 

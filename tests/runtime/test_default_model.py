@@ -67,3 +67,35 @@ def test_speculative_greedy_output_equals_plain_decoding_in_bf16(default_model_d
         ours = spec.generate([prompt], max_new_tokens=96)[0]
         assert sum(ours.stats.accept_lengths) > len(ours.stats.accept_lengths)  # something was accepted
         assert ours.token_ids == plain.generate([prompt], max_new_tokens=96)[0].token_ids
+
+
+@pytest.mark.parametrize("dtype, kernel", [("float32", "ours"), ("bfloat16", "ours"), ("bfloat16", "torch")])
+def test_a_rows_bits_do_not_depend_on_the_thread_count(default_model_dir, dtype, kernel, monkeypatch):
+    """A server changes torch's thread count with its load (serve/cpu_threads.py): decode and
+    verify rows must give the same logits, bit for bit, on 1 thread as on 2, with our decode
+    kernel and, in bf16, with torch's CPU flash kernel (CPUs without AVX-512), past the point
+    where the latter splits its keys (cpu_exactness.SPLIT_KEYS). torch's float32 verify rows
+    differ there, so the server keeps a fixed thread count where that kernel attends
+    (cpu_threads.target_thread_policy)."""
+    from dlite_ray.runtime import fused_ops
+
+    if kernel == "ours" and not fused_ops.decode_kernel_serves(64, getattr(torch, dtype)):
+        pytest.skip("our decode kernel does not serve this dtype on this CPU")
+    if kernel == "torch":
+        monkeypatch.setattr(fused_ops, "attends_decode_rows", lambda q: False)
+    engine = DLiteEngine.from_pretrained(default_model_dir, draft=None, dtype=dtype)
+    ids = torch.randint(0, engine.target.cfg.vocab_size, (1100,), generator=torch.Generator().manual_seed(3))
+    prompt, tail = ids[:1090].tolist(), ids[1090:].tolist()
+    before = torch.get_num_threads()
+    logits = []
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            runner, seq = new_runner(engine.target), new_seq(prompt)
+            forward_all(runner, seq, prompt)
+            decoded = [forward_all(runner, seq, [t]).logits for t in tail[:4]]
+            verified = forward_all(runner, seq, tail[4:]).logits
+            logits.append(torch.cat(decoded + [verified]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(logits[0], logits[1])

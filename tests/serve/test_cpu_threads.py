@@ -18,8 +18,14 @@ def test_every_core_for_one_request_and_one_fewer_under_load():
         torch.set_num_threads(before)
 
 
-def test_a_fixed_count_or_an_accelerator_has_no_policy():
-    assert target_thread_policy("cpu", 2) is None
-    assert target_thread_policy("cuda", None) is None
-    policy = target_thread_policy("cpu", None)
+def test_a_fixed_count_an_accelerator_or_a_thread_variant_kernel_has_no_policy(tiny_serving_model, monkeypatch):
+    from dlite_ray.runtime.loading import load_target
+
+    target = load_target(tiny_serving_model[0])
+    assert target_thread_policy("cpu", 2, target) is None
+    assert target_thread_policy("cuda", None, target) is None
+    monkeypatch.setattr("dlite_ray.serve.cpu_threads.decode_kernel_serves", lambda head_dim, dtype: False)
+    assert target_thread_policy("cpu", None, target) is None
+    monkeypatch.setattr("dlite_ray.serve.cpu_threads.decode_kernel_serves", lambda head_dim, dtype: True)
+    policy = target_thread_policy("cpu", None, target)
     assert policy is not None and policy.busy == max(1, policy.solo - 1)

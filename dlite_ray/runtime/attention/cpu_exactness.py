@@ -11,6 +11,7 @@ process, dtype and head shape (`_kernel_plan`), on the very functions that atten
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -105,11 +106,15 @@ def _short_calls_match_full(dtype: torch.dtype, head_dim: int, group: int, tail:
 # which is a function of the position (`_attend_positioned`), so decode and verify rows
 # still meet the same arithmetic.
 SPLIT_KEYS = 1024
+# The threads the split is planned for: the cores this process may run on, not torch's
+# current count, which a server changes with its load (serve/cpu_threads.py). A row's
+# arithmetic must not change with the load, or a reply at T = 0 would depend on it.
+SPLIT_THREADS = len(os.sched_getaffinity(0))
 
 
 def _worth_splitting(num_heads: int, num_keys: int) -> bool:
-    """Whether a call's heads share out unevenly over the threads and its keys are many."""
-    return num_keys >= SPLIT_KEYS and num_keys % 2 == 0 and num_heads % torch.get_num_threads() != 0
+    """Whether a call's heads share out unevenly over the cores and its keys are many."""
+    return num_keys >= SPLIT_KEYS and num_keys % 2 == 0 and num_heads % SPLIT_THREADS != 0
 
 
 def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
