@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--limit", type=int, default=4)
     sv.add_argument("--max-new-tokens", type=int, default=96)
     sv.add_argument("--repeats", type=int, default=1)
+    sv.add_argument("--cpu-threads", type=int, default=None,
+                    help="the served target's torch threads (default: the config's, following the load)")
 
     fu = sub.add_parser("bench-followup", help="follow-up turn latency over gRPC: KV held by its lease vs evicted")
     fu.add_argument("--limit", type=int, default=3, help="agentic histories (~3-4K tokens each)")

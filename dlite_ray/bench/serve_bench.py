@@ -1,11 +1,14 @@
 """`dlite-ray bench-serve`: tokens/s through the Ray Serve app over gRPC (target and
-draft in two processes over gloo) vs the in-process library engine, same prompts, one run.
-Starts a local Ray + Serve on loopback ports and tears it down."""
+draft in two processes over gloo) vs the in-process library engine, same prompts, one run,
+one request at a time, the two alternating; and whether every served reply (T = 0) has the
+library's tokens. Starts a local Ray + Serve on loopback ports and tears it down."""
 
 from __future__ import annotations
 
 import statistics
 import time
+
+from tqdm import tqdm
 
 from dlite_ray.bench.workloads import load_workload
 from dlite_ray.engine.engine import DLiteEngine
@@ -13,18 +16,19 @@ from dlite_ray.engine.engine import DLiteEngine
 HTTP_PORT, GRPC_PORT = 18100, 19100
 
 
-def _grpc_run(stub, ids_text: list[dict], max_tokens: int) -> tuple[float, int]:
+def _grpc_run(stub, messages: list[dict], max_tokens: int) -> tuple[float, list[int]]:
+    """Decode tokens/s of one served reply (from its first chunk to its last) and its tokens."""
     from dlite_ray.serve.proto import dlite_pb2
 
-    req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in ids_text], max_tokens=max_tokens)
-    times, count, first_count = [], 0, 0
+    req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in messages], max_tokens=max_tokens)
+    times, tokens, first_count = [], [], 0
     for chunk in stub.Generate(req, metadata=(("application", "dlite"),), timeout=600):
         times.append(time.perf_counter())
-        count += len(chunk.token_ids)
+        tokens.extend(chunk.token_ids)
         if len(times) == 1:
-            first_count = count
+            first_count = len(tokens)
     decode = times[-1] - times[0]
-    return ((count - first_count) / decode if decode > 0 else 0.0), count
+    return ((len(tokens) - first_count) / decode if decode > 0 else 0.0), tokens
 
 
 def run(args) -> dict:
@@ -42,29 +46,33 @@ def run(args) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT}, grpc_options={
         "port": GRPC_PORT, "grpc_servicer_functions": [
             "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
-    serve.run(build_app(AppArgs(engine=EngineArgs(disaggregated_draft=True))), name="dlite", route_prefix="/")
+    serve.run(build_app(AppArgs(engine=EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads))), name="dlite", route_prefix="/")
     worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
     while not worker.stats.remote().result().draft_connected:
         time.sleep(0.5)
     stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
     _grpc_run(stub, items[0].messages, 8)
     library.generate(items[0].messages, max_new_tokens=8)
-    served, lib, rounds = [], [], 0
+    served, lib, rounds, mismatched = [], [], 0, []
     comm_before = worker.stats.remote().result().draft_comm_time_s
-    for item in items:
+    for item in tqdm(items, desc="bench-serve", unit="prompt"):
         for _ in range(args.repeats):
-            tps, _ = _grpc_run(stub, item.messages, args.max_new_tokens)
+            tps, tokens = _grpc_run(stub, item.messages, args.max_new_tokens)
             served.append(tps)
             r = library.generate(item.messages, max_new_tokens=args.max_new_tokens)[0]
             lib.append(r.stats.decode_tokens_per_second)
             rounds += len(r.stats.accept_lengths)
+            if tokens != r.token_ids:
+                mismatched.append(item.id)
     comm = worker.stats.remote().result().draft_comm_time_s - comm_before
     serve.shutdown()
     ray.shutdown()
     out = {"grpc_tps_median": statistics.median(served), "library_tps_median": statistics.median(lib),
            "ratio": statistics.median(served) / statistics.median(lib),
-           "comm_ms_per_round": 1e3 * comm / max(1, rounds), "requests": len(served)}
+           "comm_ms_per_round": 1e3 * comm / max(1, rounds), "requests": len(served),
+           "mismatched_replies": mismatched}
     print(f"gRPC (disaggregated draft over gloo) {out['grpc_tps_median']:.1f} tok/s vs library "
           f"{out['library_tps_median']:.1f} tok/s: {out['ratio']:.0%}; target<->draft communication "
-          f"~{out['comm_ms_per_round']:.2f} ms per round")
+          f"~{out['comm_ms_per_round']:.2f} ms per round; T = 0 replies different from the library's: "
+          f"{len(mismatched)} of {len(served)} {mismatched or ''}")
     return out
