@@ -1,5 +1,5 @@
 // Decode and verify attention on CPU with AVX-512: the few new rows of one sequence against
-// its paged context, for float32 or bf16 caches and head dims of 64 or 128 (see attention.py,
+// its paged context, for float32 or bf16 caches and head dims of 64 or 128 (see attention/sdpa.py,
 // `SdpaBackend.attend`). The CPU flash kernel packs every key and value block for its
 // matrix routine on every call, which for a handful of rows costs more than the arithmetic;
 // here the keys are read where they lie, through their slots, and dotted with the query rows
