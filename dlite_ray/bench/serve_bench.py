@@ -46,7 +46,8 @@ def run(args) -> dict:
     serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT}, grpc_options={
         "port": GRPC_PORT, "grpc_servicer_functions": [
             "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
-    serve.run(build_app(AppArgs(engine=EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads))), name="dlite", route_prefix="/")
+    engine = EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads)
+    serve.run(build_app(AppArgs(engine=engine)), name="dlite", route_prefix="/")
     worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
     while not worker.stats.remote().result().draft_connected:
         time.sleep(0.5)
