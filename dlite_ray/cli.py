@@ -11,6 +11,9 @@ import sys
 from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
 from dlite_ray.engine.stream_text import TextStream
 
+# "auto": bf16 where the CPU has AVX-512 BF16 or AMX (or on an accelerator), else float32
+DTYPE_CHOICES = ["auto", "float32", "bfloat16"]
+
 log = logging.getLogger("dlite_ray")
 
 
@@ -42,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     rb.add_argument("--contexts", default="512,4096")
     rb.add_argument("--new-tokens", type=int, default=64)
     rb.add_argument("--repeats", type=int, default=3)
-    rb.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    rb.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
 
     bench = sub.add_parser("bench", help="DLite vs plain decoding vs transformers' methods, side by side")
     bench.add_argument("--workload", default="dev",
@@ -58,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--draft", default="default")
     bench.add_argument("--draft-b", default="default",
                        help="the draft of method dlite-b, to compare two drafts in one run (default: the shipped one)")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    bench.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     bench.add_argument("--limit", type=int, default=6, help="prompts per workload")
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=2)
@@ -89,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--sampled-fraction", type=float, default=0.2, help="one-shot requests at T > 0 (not verified)")
     lt.add_argument("--target", default=None, help="the served target, also the reference (default: embedded)")
     lt.add_argument("--draft", default="default")
-    lt.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    lt.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     lt.add_argument("--tenants", type=int, default=4, help="API keys of the app this command starts")
     lt.add_argument("--connect", default=None, help="host of a running app (loopback) instead of starting one")
     lt.add_argument("--http-port", type=int, default=8000)
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     sk.add_argument("--max-p99-ratio", type=float, default=2.0, help="B's p99 latency, soak over solo, at most")
     sk.add_argument("--target", default=None, help="the served target, also the reference (default: embedded)")
     sk.add_argument("--draft", default="default")
-    sk.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sk.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="runs/soak", help="the report goes to OUT/soak.json")
 
@@ -142,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=None, help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default="default", help="draft checkpoint directory, 'default' or 'none'")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     p.add_argument("--device", default="cpu")
     p.add_argument("--num-draft-tokens", type=int, default=7)
     p.add_argument("--verify-block-size", type=int, default=None)

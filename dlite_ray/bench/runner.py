@@ -22,7 +22,7 @@ from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.engine_config import DTYPES
+from dlite_ray.engine.engine_config import DTYPES, resolve_dtype
 from dlite_ray.engine.loading import default_draft_dir, load_draft
 from dlite_ray.runtime.model_store import default_gguf_path
 
@@ -37,6 +37,7 @@ def run(args) -> dict:
     unknown = set(methods_wanted) - set(ALL_METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {', '.join(ALL_METHODS)}")
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # every method in the dtype "auto" picks here
     dlite = DLiteEngine.from_pretrained(args.target, args.draft, dtype=args.dtype)
     ar = DLiteEngine(dlite.target, dlite.tokenizer, None)
     workloads = [w.strip() for w in args.workload.split(",")]

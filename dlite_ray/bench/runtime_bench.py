@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from dlite_ray.bench.machine import machine_info, memory_bandwidth_gbs
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.engine_config import DTYPES
+from dlite_ray.engine.engine_config import DTYPES, resolve_dtype
 from dlite_ray.runtime.model_store import default_model_dir
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def hf_tokens_per_second(model, ids: list[int], new_tokens: int) -> float:
 def run(contexts: list[int], new_tokens: int, repeats: int, dtype: str) -> dict:
     from transformers import AutoModelForCausalLM
 
+    dtype = resolve_dtype(dtype, "cpu")
     engine = DLiteEngine.from_pretrained(None, draft=None, dtype=dtype)
     hf = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=DTYPES[dtype]).eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.target.parameters())

@@ -15,6 +15,7 @@ from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_KV_TOKENS, DE
 from dlite_ray.engine.draft_transport import DraftTransport
 from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
+from dlite_ray.runtime.cpu_features import has_bf16_math
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BOUNDARY_CAPACITY = 64  # stored boundaries kept outside leases (engine/boundary_store.py)
@@ -29,6 +30,18 @@ def normalize_device(device: str) -> str:
     if parsed.type == "cuda" and parsed.index is None:
         return "cuda:0"
     return str(parsed)
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """A dtype name, with "auto" settled for `device`: bfloat16 on an accelerator and on a CPU
+    with AVX-512 BF16 or AMX, float32 on other CPUs (where bf16 arithmetic is emulated and
+    slower). Greedy output equals plain decoding's in either."""
+    if name != "auto":
+        torch_dtype(name)
+        return name
+    if torch.device(device).type != "cpu" or has_bf16_math():
+        return "bfloat16"
+    return "float32"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -49,7 +62,7 @@ class EngineConfig:
     target: str | Path | None = None
     draft: str | Path | None = "default"
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"  # settled by resolve_dtype: bfloat16 where the hardware does bf16 math
     attention_backend: str = "auto"
     num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     verify_block_size: int | None = None
@@ -64,8 +77,8 @@ class EngineConfig:
     normed_last_tap: bool | None = None
 
     def __post_init__(self) -> None:
-        torch_dtype(self.dtype)
         self.device = normalize_device(self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
         if self.draft == "none":
             self.draft = None
         if self.scheduler is None:

@@ -14,7 +14,9 @@ class EngineArgs(BaseModel):
         None, description="HF directory or .gguf of the target; null = embedded SmolLM2-135M-Instruct")
     draft: str = Field(
         "default", description="draft checkpoint directory, 'default' (shipped) or 'none' (plain decoding)")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="weights and activations dtype")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="weights and activations dtype; auto = bfloat16 on a GPU and on CPUs with AVX-512 BF16 "
+                            "or AMX, float32 on other CPUs")
     device: Literal["cpu", "cuda"] = Field("cpu", description="device of the target (and of the draft, on its own GPU)")
     attention_backend: Literal["auto", "sdpa", "flash_attn"] = Field("auto", description="target attention kernel")
     num_draft_tokens: int = Field(7, ge=0, le=32, description="K: most tokens drafted per round")

@@ -92,3 +92,18 @@ def test_a_gguf_target_reads_its_tokenizer_from_the_file(tiny_target, tiny_draft
     assert draft_path == draft_dir and target_path == gguf and config is engine.config
     assert dataclasses.replace(info, fingerprint="x") == DraftInfo.of("x", tiny_draft.cfg)
     assert engine.draft.info == info and engine.runner.tap_layers == info.target_layer_ids
+
+
+def test_auto_dtype_is_bf16_where_the_hardware_does_bf16_math(monkeypatch):
+    from dlite_ray.engine import engine_config
+
+    monkeypatch.setattr(engine_config, "has_bf16_math", lambda: True)
+    assert engine_config.resolve_dtype("auto", "cpu") == "bfloat16"
+    assert EngineConfig().dtype == "bfloat16"
+    monkeypatch.setattr(engine_config, "has_bf16_math", lambda: False)
+    assert engine_config.resolve_dtype("auto", "cpu") == "float32"
+    assert EngineConfig().dtype == "float32"
+    assert engine_config.resolve_dtype("auto", "cuda:0") == "bfloat16"
+    assert EngineConfig(dtype="float32").dtype == "float32"  # a named dtype is kept as it is
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        engine_config.resolve_dtype("float8", "cpu")

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def ar_engine(default_model_dir):
-    return DLiteEngine.from_pretrained(default_model_dir, draft=None)
+    return DLiteEngine.from_pretrained(default_model_dir, draft=None, dtype="float32")  # against transformers
 
 
 def test_no_draft_means_plain_decoding(ar_engine):
