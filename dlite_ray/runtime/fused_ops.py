@@ -30,6 +30,7 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "decode_attention.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # -ffp-contract=off: products rounded as written
 
 
 @functools.cache
@@ -41,8 +42,7 @@ def kernels() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         log.info("loading the fused CPU kernels (compiled once per machine, ~30 s)")
-        return load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"])
+        return load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES], extra_cflags=CFLAGS)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
         log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)
         return None

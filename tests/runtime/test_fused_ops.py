@@ -164,10 +164,10 @@ def decode_case(kernels, request):
     return dtype, head_dim
 
 
-def _decode_inputs(rows: int, dtype=torch.bfloat16, head_dim: int = 64, seed: int = 0):
+def _decode_inputs(rows: int, dtype=torch.bfloat16, head_dim: int = 64, seed: int = 0, heads=(HQ, HKV)):
     gen = torch.Generator().manual_seed(seed)
-    q = (3 * torch.randn(rows, HQ, head_dim, generator=gen)).to(dtype)  # peaked softmax
-    k_cache, v_cache = (torch.randn(HKV, 6000, head_dim, generator=gen).to(dtype) for _ in range(2))
+    q = (3 * torch.randn(rows, heads[0], head_dim, generator=gen)).to(dtype)  # peaked softmax
+    k_cache, v_cache = (torch.randn(heads[1], 6000, head_dim, generator=gen).to(dtype) for _ in range(2))
     return q, k_cache, v_cache, torch.randperm(6000, generator=gen)
 
 
@@ -192,16 +192,23 @@ def test_decode_attention_is_causal_attention(kernels, decode_case, first, rows)
                                rtol=tolerance, atol=tolerance)
 
 
-def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(kernels, decode_case):
-    """Whatever the row count, the threads or where the slots lie: what makes a verify step
-    equal plain decoding (and a sequence's output independent of its block layout)."""
+@pytest.mark.parametrize("heads", [(HQ, HKV), (14, 2)], ids=["group3", "group7"])
+def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(kernels, decode_case, heads):
+    """Whatever the row count, the other rows, the threads or where the slots lie: what makes
+    a verify step equal plain decoding (and a sequence's output independent of its block
+    layout). The kernel scores and weighs many rows from the same loads of a key block, in
+    tiles of rows whose sizes depend on the dtype and head dim: every count of new tokens a
+    verify step may have, times each GQA group, lands its rows in other tiles."""
     attend = kernels.decode_attention
     first = 1530  # the rows straddle a chunk boundary (1536)
-    q, k_cache, v_cache, slots = _decode_inputs(16, *decode_case)
+    q, k_cache, v_cache, slots = _decode_inputs(16, *decode_case, heads=heads)
     full = attend(q, k_cache, v_cache, slots, first)
-    for i in range(16):
-        assert torch.equal(attend(q[i:i + 1], k_cache, v_cache, slots, first + i), full[i:i + 1])
-    assert torch.equal(attend(q[3:11], k_cache, v_cache, slots, first + 3), full[3:11])
+    for count in range(1, 17):
+        for i in range(16 - count + 1) if count == 1 else {0, (16 - count) // 2, 16 - count}:
+            assert torch.equal(attend(q[i:i + count], k_cache, v_cache, slots, first + i), full[i:i + count])
+    others = q.clone()
+    others[::2] = torch.randn(others[::2].shape, generator=torch.Generator().manual_seed(9)).to(q.dtype)
+    assert torch.equal(attend(others, k_cache, v_cache, slots, first)[1::2], full[1::2])
     moved_k, moved_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     elsewhere = torch.arange(6000).flip(0)  # the same context, other slots
     moved_k[:, elsewhere], moved_v[:, elsewhere] = k_cache[:, slots], v_cache[:, slots]

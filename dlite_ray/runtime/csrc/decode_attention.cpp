@@ -6,9 +6,16 @@
 // (bf16 by the bf16 dot-product instruction, where the CPU has AVX-512 BF16).
 //
 // A row's result depends on its position and its keys alone: keys are taken in fixed
-// chunks of positions, each row is worked on its own inside a chunk, and the chunks are
-// merged in order. The row count, the other rows, the threads and where the slots lie change
-// no bit, so a verify step computes each row exactly as decoding it alone does.
+// chunks of positions, and a row's chunks are merged in order. Inside a chunk every row of
+// the KV head (its query heads times the new tokens) is scored from the same loads of a
+// block of 16 keys, and a tile of rows is weighted from the same loads of each value; no
+// operation mixes two rows, so each row goes through exactly the arithmetic it would alone
+// (the same blocks, masked lanes, exp and order of accumulation). The row count, the other
+// rows, the threads and where the slots lie change no bit, so a verify step computes each
+// row exactly as decoding it alone does. Sharing the loads is what makes verify rows
+// cheaper; a row's arithmetic is fixed, and with the keys in cache its P.V products (D / 16
+// fused multiply-adds a key) run near the CPU's peak, so 8 new tokens still cost ~5x one
+// there; read from memory, as in a forward, 2.3-3x (scripts/decode_attention_bench.py).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -17,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -68,35 +76,46 @@ inline __m512 sum_lanes_of_each(__m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xdd));
 }
 
+// Asks for the `bytes` at p ahead of their use, into L1 (kNear) or L2 (kFar): a hint, no bit changes.
+constexpr int kNear = 3, kFar = 2;  // __builtin_prefetch's locality
+template <int Locality>
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(p) + line, 0, Locality);
+}
+
 // A mask of the first n of a block's 16 lanes (all of them from n = 16 on).
 inline __mmask16 first_lanes(int64_t n) {
   return n >= kBlock ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
 }
 
-// What differs between cache dtypes: how a query row is dotted with a key, and where a
-// chunk's values are read as floats. Elem is the element as the cache stores it; Out the
-// output tensor's element.
+// What differs between cache dtypes: how a query row or a key is held in registers and
+// dotted, and where a chunk's values are read as floats. Elem is the element as the cache
+// stores it; Out the output tensor's element.
 struct F32Cache {
   using Elem = float;
   using Out = float;
   template <int64_t D>
-  struct Values {  // read where the cache holds them
+  struct Values {  // read where the cache holds them (asked for now, read by P.V later)
     std::vector<const float*> rows = std::vector<const float*>(kChunk);
-    void set(int64_t j, const float* value) { rows[j] = value; }
+    void set(int64_t j, const float* value) {
+      rows[j] = value;
+      prefetch<kFar>(value, D * sizeof(float));
+    }
     const float* operator[](int64_t j) const { return rows[j]; }
   };
   template <int64_t D>
-  struct Query {  // q . k in 16 lanes of partial sums
+  struct Vectors {  // a query row or a key: D floats
     __m512 v[D / 16];
-    explicit Query(const float* q) {
-      for (int64_t i = 0; i < D / 16; ++i) v[i] = _mm512_loadu_ps(q + 16 * i);
-    }
-    __m512 dot(const float* k) const {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D / 16; ++i) acc = _mm512_fmadd_ps(v[i], _mm512_loadu_ps(k + 16 * i), acc);
-      return acc;
+    void load(const float* x) {
+      for (int64_t i = 0; i < D / 16; ++i) v[i] = _mm512_loadu_ps(x + 16 * i);
     }
   };
+  template <int64_t D>
+  static __m512 dot(const Vectors<D>& q, const Vectors<D>& k) {  // q . k in 16 lanes of partial sums
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D / 16; ++i) acc = _mm512_fmadd_ps(q.v[i], k.v[i], acc);
+    return acc;
+  }
 };
 
 #ifdef DLITE_DECODE_BF16
@@ -112,17 +131,18 @@ struct Bf16Cache {
     const float* operator[](int64_t j) const { return staged.data() + j * D; }
   };
   template <int64_t D>
-  struct Query {  // q . k by the bf16 dot-product instruction: 32 products a vector
+  struct Vectors {  // a query row or a key: D bf16, 32 a vector
     __m512bh v[D / 32];
-    explicit Query(const uint16_t* q) {
-      for (int64_t i = 0; i < D / 32; ++i) v[i] = (__m512bh)_mm512_loadu_si512(q + 32 * i);
-    }
-    __m512 dot(const uint16_t* k) const {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < D / 32; ++i) acc = _mm512_dpbf16_ps(acc, v[i], (__m512bh)_mm512_loadu_si512(k + 32 * i));
-      return acc;
+    void load(const uint16_t* x) {
+      for (int64_t i = 0; i < D / 32; ++i) v[i] = (__m512bh)_mm512_loadu_si512(x + 32 * i);
     }
   };
+  template <int64_t D>
+  static __m512 dot(const Vectors<D>& q, const Vectors<D>& k) {  // by the bf16 dot-product instruction
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D / 32; ++i) acc = _mm512_dpbf16_ps(acc, q.v[i], k.v[i]);
+    return acc;
+  }
   static __m512 load16(const uint16_t* x) {  // bf16 -> float is a 16-bit shift
     const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
@@ -132,46 +152,142 @@ struct Bf16Cache {
 
 template <int64_t D>
 struct Partial {  // one row's softmax over one chunk
-  static_assert(D % 32 == 0, "whole vectors of bf16 pairs");
+  static_assert(D % 64 == 0, "whole slices of value accumulators (kSlice)");
   float max = -INFINITY, sum = 0.f;
   alignas(64) float values[D];
 };
 
-// One row over the first `seen` keys of a chunk. keys: pointers to each key's D elements;
-// values[j]: key j's value as D floats.
-template <int64_t D, typename Q, typename Elem, typename Values>
-void attend_chunk(const Q& q, const Elem* const* keys, const Values& values, int64_t seen, float scale,
-                  float* scores, Partial<D>& out) {
-  const int64_t blocks = (seen + kBlock - 1) / kBlock;
-  __m512 max = _mm512_set1_ps(-INFINITY);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512 dots[kBlock];
-    for (int64_t i = 0; i < kBlock; ++i)
-      dots[i] = q.dot(keys[std::min(b * kBlock + i, seen - 1)]);  // past `seen`: masked below
-    const __mmask16 valid = first_lanes(seen - b * kBlock);
-    const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                        _mm512_mul_ps(sum_lanes_of_each(dots), _mm512_set1_ps(scale)));
-    _mm512_storeu_ps(scores + b * kBlock, s);
-    max = _mm512_max_ps(max, s);
+// One query row inside one chunk: what it attends and where its results go.
+template <typename Elem, int64_t D>
+struct Row {
+  const Elem* q;   // D elements
+  float* scores;   // kChunk: scaled scores, then exp(score - max)
+  int64_t seen;    // the chunk's first `seen` keys are at or before the row's position
+  Partial<D>* out;
+};
+
+// f(std::integral_constant<int, R>{}, first) for rows [begin, end) in tiles of Max rows, the
+// last tile shorter: R is a constant, so a tile's vectors stay in registers.
+template <int R, typename F>
+void last_tile(int64_t n, int64_t first, F& f) {
+  if constexpr (R > 1)
+    if (n < R) return last_tile<R - 1>(n, first, f);
+  f(std::integral_constant<int, R>{}, first);
+}
+
+template <int Max, typename F>
+void in_tiles(int64_t begin, int64_t end, F&& f) {
+  for (; end - begin >= Max; begin += Max) f(std::integral_constant<int, Max>{}, begin);
+  if constexpr (Max > 1)
+    if (begin < end) last_tile<Max - 1>(end - begin, begin, f);
+}
+
+// Rows whose query vectors fill 16 registers: scored together, each key loaded once for all.
+template <typename Cache, int64_t D>
+constexpr int kScoreRows = std::max<int>(1, 16 * 64 / sizeof(typename Cache::template Vectors<D>));
+
+// R rows' scaled scores against 16 keys (lane i: key i), each key loaded once for the R rows.
+template <typename Cache, int64_t D, int R>
+void score_tile(const typename Cache::Elem* const* q, const typename Cache::Elem* const* key, float scale,
+                __m512 (&out)[R]) {
+  typename Cache::template Vectors<D> query[R];
+  for (int r = 0; r < R; ++r) query[r].load(q[r]);
+  __m512 dots[R][kBlock];
+  for (int64_t i = 0; i < kBlock; ++i) {
+    typename Cache::template Vectors<D> k;
+    k.load(key[i]);
+    for (int r = 0; r < R; ++r) dots[r][i] = Cache::dot(query[r], k);
   }
-  out.max = _mm512_reduce_max_ps(max);
-  const __m512 m = _mm512_set1_ps(out.max);
+  for (int r = 0; r < R; ++r) out[r] = _mm512_mul_ps(sum_lanes_of_each(dots[r]), _mm512_set1_ps(scale));
+}
+
+// One row's softmax over its scores: their max and sum into `out`, exp(score - max) in place.
+template <typename Elem, int64_t D>
+void softmax_row(const Row<Elem, D>& row) {
+  const int64_t blocks = (row.seen + kBlock - 1) / kBlock;
+  __m512 max = _mm512_set1_ps(-INFINITY);
+  for (int64_t b = 0; b < blocks; ++b) max = _mm512_max_ps(max, _mm512_loadu_ps(row.scores + b * kBlock));
+  row.out->max = _mm512_reduce_max_ps(max);
+  const __m512 m = _mm512_set1_ps(row.out->max);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {  // masked keys: exp(-inf - max) = 0 (clamped: tiny, then zeroed)
-    const __mmask16 valid = first_lanes(seen - b * kBlock);
-    const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(scores + b * kBlock), m);
+    const __mmask16 valid = first_lanes(row.seen - b * kBlock);
+    const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(row.scores + b * kBlock), m);
     const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(shifted));
-    _mm512_storeu_ps(scores + b * kBlock, p);
+    _mm512_storeu_ps(row.scores + b * kBlock, p);
     sum = _mm512_add_ps(sum, p);
   }
-  out.sum = _mm512_reduce_add_ps(sum);
-  __m512 acc[D / 16];
-  for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < seen; ++j) {
-    const __m512 p = _mm512_set1_ps(scores[j]);
-    for (int64_t d = 0; d < D / 16; ++d) acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values[j] + 16 * d), acc[d]);
+  row.out->sum = _mm512_reduce_add_ps(sum);
+}
+
+constexpr int kValueRows = 4;    // rows whose accumulators (a slice each) fill 16 registers
+constexpr int64_t kSlice = 64;   // floats of a value accumulated at a time: 4 vectors
+
+// R rows' sums of p_j * value_j over their keys, in order of j, each value loaded once for the
+// R rows; rows[0] sees the fewest keys (rows come in order of position).
+template <int64_t D, int R, typename Elem, typename Values>
+void weigh_values_tile(const Row<Elem, D>* rows, const Values& values) {
+  constexpr int64_t S = kSlice / 16;
+  const int64_t common = rows[0].seen;
+  for (int64_t d0 = 0; d0 < D; d0 += kSlice) {
+    __m512 acc[R][S];
+    for (int r = 0; r < R; ++r)
+      for (int64_t s = 0; s < S; ++s) acc[r][s] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < common; ++j) {
+      __m512 v[S];
+      for (int64_t s = 0; s < S; ++s) v[s] = _mm512_loadu_ps(values[j] + d0 + 16 * s);
+      for (int r = 0; r < R; ++r) {
+        const __m512 p = _mm512_set1_ps(rows[r].scores[j]);
+        for (int64_t s = 0; s < S; ++s) acc[r][s] = _mm512_fmadd_ps(p, v[s], acc[r][s]);
+      }
+    }
+    for (int r = 1; r < R; ++r) {  // the keys the later rows see beyond rows[0]
+      for (int64_t j = common; j < rows[r].seen; ++j) {
+        const __m512 p = _mm512_set1_ps(rows[r].scores[j]);
+        for (int64_t s = 0; s < S; ++s)
+          acc[r][s] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values[j] + d0 + 16 * s), acc[r][s]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int64_t s = 0; s < S; ++s) _mm512_store_ps(rows[r].out->values + d0 + 16 * s, acc[r][s]);
   }
-  for (int64_t d = 0; d < D / 16; ++d) _mm512_store_ps(out.values + 16 * d, acc[d]);
+}
+
+// Rows [0, n) of one KV head over one chunk (keys: pointers to each key's D elements;
+// values[j]: key j's value as D floats), in order of position, each seeing at least one of
+// the chunk's `count` keys (n >= 1: the last token's rows see every chunk). Each key block is
+// loaded once for every row that sees it, and each value once for a tile of rows.
+template <typename Cache, int64_t D, typename Values>
+void attend_chunk(const Row<typename Cache::Elem, D>* rows, int64_t n, const typename Cache::Elem* const* keys,
+                  int64_t count, const Values& values, float scale) {
+  using Elem = typename Cache::Elem;
+  const int64_t blocks = (rows[n - 1].seen + kBlock - 1) / kBlock;
+  int64_t from = 0;  // the first row that sees block b
+  for (int64_t b = 0; b < blocks; ++b) {
+    const Elem* key[kBlock];
+    // Past a row's `seen` the lanes are masked, and a lane's score is its own key's alone, so
+    // what those lanes read changes no bit.
+    for (int64_t i = 0; i < kBlock; ++i) key[i] = keys[std::min(b * kBlock + i, count - 1)];
+    for (int64_t i = 0; i < kBlock; ++i)  // the next block's keys, into L1
+      prefetch<kNear>(keys[std::min((b + 1) * kBlock + i, count - 1)], D * sizeof(Elem));
+    while (rows[from].seen <= b * kBlock) ++from;
+    in_tiles<kScoreRows<Cache, D>>(from, n, [&](auto tile, int64_t first) {
+      constexpr int R = decltype(tile)::value;
+      const Elem* q[R];
+      for (int r = 0; r < R; ++r) q[r] = rows[first + r].q;
+      __m512 scores[R];
+      score_tile<Cache, D, R>(q, key, scale, scores);
+      for (int r = 0; r < R; ++r) {
+        const Row<Elem, D>& row = rows[first + r];
+        const __mmask16 valid = first_lanes(row.seen - b * kBlock);
+        _mm512_storeu_ps(row.scores + b * kBlock, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, scores[r]));
+      }
+    });
+  }
+  for (int64_t r = 0; r < n; ++r) softmax_row(rows[r]);
+  in_tiles<kValueRows>(0, n, [&](auto tile, int64_t first) {
+    weigh_values_tile<D, decltype(tile)::value>(rows + first, values);
+  });
 }
 
 // One row's chunks merged in order into its output (D elements).
@@ -210,20 +326,24 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   at::parallel_for(0, hkv * chunks, grain, [&](int64_t begin, int64_t end) {
     std::vector<const Elem*> keys(kChunk);
     typename Cache::template Values<D> values;
-    alignas(64) float scores[kChunk];
+    std::vector<float> scores(rows * kChunk);
+    std::vector<Row<Elem, D>> live(rows);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
-      for (int64_t j = 0; j < count; ++j) {
+      for (int64_t j = 0; j < count; ++j) {  // the chunk's keys asked for at once: their reads overlap
         const int64_t offset = (h * num_slots + slot[start + j]) * D;
         keys[j] = kp + offset;
+        prefetch<kFar>(keys[j], D * sizeof(Elem));
         values.set(j, vp + offset);
       }
+      int64_t n = 0;
       for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
         const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
         if (seen <= 0) continue;  // the chunk lies wholly after the row's position
-        const typename Cache::template Query<D> qr(qp + (token * hq + h * group + r % group) * D);
-        attend_chunk<D>(qr, keys.data(), values, seen, scale, scores, partials[(h * chunks + c) * rows + r]);
+        live[n++] = {qp + (token * hq + h * group + r % group) * D, scores.data() + r * kChunk, seen,
+                     &partials[(h * chunks + c) * rows + r]};
       }
+      attend_chunk<Cache, D>(live.data(), n, keys.data(), count, values, scale);
     }
   });
   auto out = torch::empty_like(q);
