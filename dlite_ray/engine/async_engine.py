@@ -42,6 +42,8 @@ class EngineLoad:
     kv_blocks_used: int
     kv_blocks_total: int
     held_leases: int
+    reply_cache_tokens: int = 0  # tokens of earlier replies held for copying (reply_cache.py)
+    reply_cache_replies: int = 0
 
 
 class AsyncEngine:
@@ -59,9 +61,10 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                       lease: str | None = None) -> AsyncIterator[Chunk]:
+                       lease: str | None = None, namespace: str | None = None) -> AsyncIterator[Chunk]:
         """Stream a request's tokens; cancelling the consumer aborts the request. With
-        `lease`, its KV stays pinned afterwards until `release_lease`."""
+        `lease`, its KV stays pinned afterwards until `release_lease`; `namespace` (a
+        tenant) is whose earlier replies it may copy from (`DLiteEngine.add_request`)."""
         # validation errors surface here, in the caller; tokenizing a long prompt happens off
         # the event loop, which streams every other request's tokens
         ids = await asyncio.to_thread(self.engine.encode, prompt)
@@ -69,7 +72,7 @@ class AsyncEngine:
         out: asyncio.Queue = asyncio.Queue()
         done = asyncio.Event()
         seq_holder: list[Sequence] = []
-        self._inbox.put(("add", ids, params, request_id, lease, loop, out, seq_holder))
+        self._inbox.put(("add", ids, params, request_id, lease, namespace, loop, out, seq_holder))
         try:
             while True:
                 item = await out.get()
@@ -84,9 +87,11 @@ class AsyncEngine:
                 self._inbox.put(("abort", seq_holder[0].request_id))
 
     def stats(self) -> EngineLoad:
-        scheduler = self.engine.scheduler
+        scheduler, replies = self.engine.scheduler, self.engine.reply_cache
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_used_blocks,
-                          scheduler.blocks.num_blocks, len(self.held_leases))
+                          scheduler.blocks.num_blocks, len(self.held_leases),
+                          replies.size_tokens if replies is not None else 0,
+                          replies.num_replies if replies is not None else 0)
 
     def is_alive(self) -> bool:
         """Whether the engine loop thread still runs."""
@@ -149,9 +154,9 @@ class AsyncEngine:
                 return
             block = False
             if item[0] == "add":
-                _, ids, params, request_id, lease, loop, out, holder = item
+                _, ids, params, request_id, lease, namespace, loop, out, holder = item
                 try:
-                    seq = self.engine.add_request(ids, params, request_id, lease)
+                    seq = self.engine.add_request(ids, params, request_id, lease, namespace)
                 except Exception as exc:  # noqa: BLE001 - reported to that caller only
                     loop.call_soon_threadsafe(out.put_nowait, exc)
                     continue

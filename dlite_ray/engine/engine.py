@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlite_ray.constants import DEFAULT_REPLY_CACHE_NAMESPACES
 from dlite_ray.engine.block_manager import BlockManager, OutOfBlocks
 from dlite_ray.engine.boundary_store import BoundaryStore
 from dlite_ray.engine.context_lookup import ContextLookup
@@ -15,6 +16,7 @@ from dlite_ray.engine.loading import DraftFactory, default_draft_dir, load_draft
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.prompts import Messages, Prompt, PromptEncoder, is_batch
+from dlite_ray.engine.reply_cache import ReplyCache
 from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.engine.scheduler import KVReuse, Scheduler
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
@@ -70,7 +72,11 @@ class DLiteEngine:
         self.prompts = PromptEncoder(tokenizer, target.cfg.vocab_size, self.runner.max_context)
         k, lookup_tokens = verify_lengths(draft, cfg)
         self.policy = SpeculationPolicy(k, adaptive=cfg.adaptive_draft_length)
-        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, ContextLookup(lookup_tokens))
+        # earlier replies are copied within the lookup's limit: none where copying is off
+        self.reply_cache = (ReplyCache(cfg.reply_cache_tokens, DEFAULT_REPLY_CACHE_NAMESPACES)
+                            if cfg.reply_cache_tokens and lookup_tokens else None)
+        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, ContextLookup(lookup_tokens),
+                                   self.reply_cache)
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_cache)
         reuse = KVReuse(target.fingerprint(), draft.info.fingerprint if draft else "none",
                         resume_boundaries=draft is not None, recompute_pivot=draft is not None and bool(taps))
@@ -104,10 +110,12 @@ class DLiteEngine:
 
     # -- the serving API ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, params: SamplingParams, request_id: str | None = None,
-                    lease: str | None = None) -> Sequence:
+                    lease: str | None = None, namespace: str | None = None) -> Sequence:
         """Queue a request. With `lease` (a conversation's name), its KV and boundary
-        features stay pinned after it finishes, until `release_lease(lease)`."""
-        seq = Sequence(self.encode(prompt), params)
+        features stay pinned after it finishes, until `release_lease(lease)`. `namespace`
+        (a tenant; None: the engine-wide default) is whose earlier replies it may copy
+        from, and where its own reply is kept (`reply_cache.py`)."""
+        seq = Sequence(self.encode(prompt), params, namespace=namespace)
         vocab = self.target.cfg.vocab_size
         if params.trace_top_k > vocab:
             raise InvalidRequest(f"trace_top_k={params.trace_top_k} exceeds the vocabulary ({vocab})")
@@ -139,6 +147,10 @@ class DLiteEngine:
             return []
         emitted = self.decoder.step(schedule)
         self.scheduler.postprocess(schedule)
+        if self.reply_cache is not None:
+            for seq in emitted:  # a request finishes only in a round it emits in (aborts are not kept)
+                if seq.is_finished:
+                    self.reply_cache.add(seq.namespace, seq.prompt_ids, seq.output_ids)
         return [StepOutput(seq, toks) for seq, toks in emitted.items()]
 
     def abort(self, request_id: str) -> bool:

@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 
-from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, DEFAULT_MAX_KV_TOKENS, DEFAULT_NUM_DRAFT_TOKENS, KV_BLOCK_SIZE
+from dlite_ray.constants import (
+    DEFAULT_LOOKUP_TOKENS,
+    DEFAULT_MAX_KV_TOKENS,
+    DEFAULT_NUM_DRAFT_TOKENS,
+    DEFAULT_REPLY_CACHE_TOKENS,
+    KV_BLOCK_SIZE,
+)
 from dlite_ray.engine.draft_transport import DraftTransport
 from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
@@ -56,6 +62,8 @@ class EngineConfig:
     draft: checkpoint directory, "default" (the shipped draft, for the embedded target
     only) or None / "none" (plain decoding); lookup_tokens: most tokens copied from the
     context per round (None: 15 with a draft, 0 without, so no draft is plain decoding);
+    reply_cache_tokens: tokens of earlier replies kept per namespace and copied where the
+    context has no match (engine/reply_cache.py; 0 = off; copies only where lookup_tokens > 0);
     tap_layers / normed_last_tap: target layers each forward returns and whether the last
     one is final-normed (None: the draft's own; none without a draft)."""
 
@@ -68,6 +76,7 @@ class EngineConfig:
     verify_block_size: int | None = None
     adaptive_draft_length: bool = True
     lookup_tokens: int | None = None
+    reply_cache_tokens: int = DEFAULT_REPLY_CACHE_TOKENS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
     block_size: int = KV_BLOCK_SIZE
     enable_prefix_cache: bool = True
@@ -85,6 +94,8 @@ class EngineConfig:
             self.scheduler = SchedulerConfig()
         if self.max_kv_tokens < 1 or self.block_size < 1:
             raise ValueError(f"max_kv_tokens={self.max_kv_tokens} and block_size={self.block_size} must be >= 1")
+        if self.reply_cache_tokens < 0:
+            raise ValueError(f"reply_cache_tokens={self.reply_cache_tokens} must be >= 0")
         if self.boundary_capacity < 0:
             raise ValueError(f"boundary_capacity={self.boundary_capacity} must be >= 0")
         if self.tap_layers is not None:

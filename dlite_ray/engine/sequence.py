@@ -105,6 +105,7 @@ class Status(enum.Enum):
 class SequenceStats:
     accept_lengths: list[int] = field(default_factory=list)  # A + 1 per round
     copied_rounds: list[bool] = field(default_factory=list)  # per round: tokens copied from the context
+    reply_rounds: list[bool] = field(default_factory=list)  # per round: copied from an earlier reply (of the above)
     position_accepts: list[int] = field(default_factory=list)  # [k] DLite rounds whose draft k was accepted
     position_trials: list[int] = field(default_factory=list)  # [k] DLite rounds that drafted position k
     prefill_time: float = 0.0
@@ -116,9 +117,10 @@ class SequenceStats:
     cached_prompt_tokens: int = 0  # prompt positions found in the prefix cache
     resumed_from_boundary: bool = False  # KV and pivot features reused with no target recompute
 
-    def record_round(self, num_drafted: int, accepted: int, copied: bool = False) -> None:
+    def record_round(self, num_drafted: int, accepted: int, copied: bool = False, from_reply: bool = False) -> None:
         self.accept_lengths.append(accepted + 1)
         self.copied_rounds.append(copied)
+        self.reply_rounds.append(from_reply)
         if copied:
             return  # per-position acceptance describes the DLite draft
         while len(self.position_trials) < num_drafted:
@@ -159,6 +161,7 @@ class Sequence:
     stop_strings: StopStrings | None = None  # with params.stop: set by the engine, which holds the tokenizer
     grammar: OutputGrammar | None = None  # with params.grammar: set by the engine, likewise
     error: str | None = None  # with finish_reason "error": why the request could not go on
+    namespace: str | None = None  # whose earlier replies it may copy (a tenant; None: the engine-wide default)
     arrival: float = field(default_factory=time.perf_counter)
 
     def __post_init__(self) -> None:

@@ -2,12 +2,13 @@
 (REFERENCE.md section 1).
 
 Per step: rows whose grammar forces their next tokens propose those, and rows whose last
-tokens occurred earlier in their context copy what followed there (`context_lookup.py`);
-the others draft K_i tokens in one draft call. Then prefill
-chunks and [anchor, d_1..d_K_i] verify rows run in one ragged target forward; each row
-accepts A_i, commits A_i + 1 tokens (its KV now holds n_i + A_i + 1 positions: the
-scheduler crops the rest after the step), and takes its next pivot features from the
-verify pass at index A_i. Rows with K_i = 0 decode plainly.
+tokens occurred earlier in their context copy what followed there (`context_lookup.py`),
+else in an earlier reply of their namespace (`reply_cache.py`); the others draft K_i
+tokens in one draft call. Then prefill chunks and [anchor, d_1..d_K_i] verify rows run
+in one ragged target forward; each row accepts A_i, commits A_i + 1 tokens (its KV now
+holds n_i + A_i + 1 positions: the scheduler crops the rest after the step), and takes
+its next pivot features from the verify pass at index A_i. Rows with K_i = 0 decode
+plainly.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, DraftUnavailable
 from dlite_ray.engine.logprobs import token_logprobs
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
+from dlite_ray.engine.reply_cache import ReplyCache
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
@@ -48,6 +50,7 @@ class RoundProposal:
 
     tokens: list[list[int]]  # copied or drafted; [] decodes plainly
     copied: list[bool]
+    from_reply: list[bool]  # copied from an earlier reply (reply_cache.py), not the context
     drafted: list[int]  # tokens drafted per row (0 where copied, plain, or the draft call failed)
     q_probs: dict[int, torch.Tensor] | None  # the draft distributions of sampled rows, by row
     draft_time: float
@@ -60,9 +63,12 @@ class RoundProposal:
 
 class SpecDecoder:
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
-                 policy: SpeculationPolicy, lookup: ContextLookup | None = None):
+                 policy: SpeculationPolicy, lookup: ContextLookup | None = None, replies: ReplyCache | None = None):
+        """lookup: copies from each row's context; replies: earlier replies, copied where the
+        context has no match (both within lookup.max_tokens per round)."""
         self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
         self.lookup = lookup or ContextLookup(0)
+        self.replies = replies
 
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
         step_started = time.perf_counter()
@@ -91,16 +97,19 @@ class SpecDecoder:
         return emitted
 
     def _propose_round(self, decodes: list[Sequence], prefill_tokens: int) -> RoundProposal:
-        """What each decode row verifies this step: a copy from its context, a draft, or
-        nothing (plain decoding), as the policy allocates."""
+        """What each decode row verifies this step: a copy (from its context or an earlier
+        reply), a draft, or nothing (plain decoding), as the policy allocates."""
         caps = [self._max_draft(s) for s in decodes]
-        copies = [self._copy(s) for s in decodes]
-        ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c in copies])
-        copies = [c[:k] for c, k in zip(copies, ks)]  # what the cost model kept of each copy
+        proposed = [self._copy(s) for s in decodes]  # (tokens, whether from an earlier reply) per row
+        ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c, _ in proposed],
+                                [reply for _, reply in proposed])
+        copies = [c[:k] for (c, _), k in zip(proposed, ks)]  # what the cost model kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
         drafts, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
         tokens = [c or d for c, d in zip(copies, drafts)]
-        return RoundProposal(tokens, [bool(c) for c in copies], [len(d) for d in drafts], q_probs, draft_time, failed)
+        from_reply = [bool(c) and reply for c, (_, reply) in zip(copies, proposed)]
+        return RoundProposal(tokens, [bool(c) for c in copies], from_reply, [len(d) for d in drafts], q_probs,
+                             draft_time, failed)
 
     def _commit_prefills(self, prefills: list[tuple[Sequence, int]], outs: list[RowOutput], seconds: float) -> None:
         for (seq, n), out in zip(prefills, outs):
@@ -131,8 +140,8 @@ class SpecDecoder:
             st = seq.stats
             if st.first_token_time is None:
                 st.first_token_time = now
-            st.record_round(len(tokens), a, copied=copied)
-            self.policy.record(seq, len(tokens), a, copied=copied)
+            st.record_round(len(tokens), a, copied=copied, from_reply=proposal.from_reply[i])
+            self.policy.record(seq, len(tokens), a, copied=copied, from_reply=proposal.from_reply[i])
             if proposal.drafted[i]:
                 st.draft_time += proposal.draft_time  # the draft call it took part in
             st.verify_time += seconds
@@ -140,11 +149,19 @@ class SpecDecoder:
             st.last_token_time = now
         return emitted
 
-    def _copy(self, seq: Sequence) -> list[int]:
-        """Tokens to verify without drafting: what the request's grammar forces next, else
-        what followed its last tokens earlier in its context (both only where copying is on)."""
-        forced = seq.grammar.forced_tokens(min(self._room(seq), self.lookup.max_tokens)) if seq.grammar else []
-        return forced or self.lookup.propose(seq, self._room(seq))
+    def _copy(self, seq: Sequence) -> tuple[list[int], bool]:
+        """Tokens to verify without drafting, and whether an earlier reply gave them: what the
+        request's grammar forces next, else what followed its last tokens earlier in its
+        context, else in an earlier reply of its namespace (all only where copying is on)."""
+        limit = min(self._room(seq), self.lookup.max_tokens)
+        forced = seq.grammar.forced_tokens(limit) if seq.grammar else []
+        copied = forced or self.lookup.propose(seq, limit)
+        if copied or self.replies is None:
+            return copied, False
+        copied = self.replies.propose(seq.namespace, seq.token_ids, limit)
+        if copied and not self.policy.copies_from_replies(seq, can_draft=self._max_draft(seq) > 0):
+            return [], False  # such copies have passed less often than this row's drafts
+        return copied, True
 
     def _room(self, seq: Sequence) -> int:
         """The most tokens a round can verify after the anchor: within the output budget and the context."""

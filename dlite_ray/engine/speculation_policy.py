@@ -17,6 +17,11 @@ their tokens cost forward time but no draft call, and each is accepted with the 
 copy acceptance (tracked apart from the draft's, with its own prior). At batch 1 on a CPU
 a verify token is nearly free and whole copies pass; in a compute-bound batch copies that
 keep failing are cut short, and tried again once that evidence has faded.
+
+Copies from earlier replies (`reply_cache.py`) match across unrelated requests and pass
+less often than copies from a request's own context; their acceptance is tracked
+engine-wide on its own, sizes their allocation, and decides whether such a copy may take
+a round from the draft at all (`copies_from_replies`).
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ class SpeculationPolicy:
     WINDOW = 64
     MAX_ACCEPT = 0.95  # no drafted position is ever counted as certain
     DEPTH_DECAY = 0.998  # the depth profile is the draft's, slow to change: ~500 rounds
+    # A copy from a reply refused in favour of the draft lets the evidence against such copies
+    # fade by this much (by half every ~14 refusals), so that they are retried.
+    REPLY_RETRY_DECAY = 0.95
 
     def __init__(self, max_draft_tokens: int, adaptive: bool = True):
         self.max_draft_tokens, self.adaptive = max_draft_tokens, adaptive
@@ -60,6 +68,7 @@ class SpeculationPolicy:
         self._global = [0.6, 1.0]  # decayed (accepted, examined) over all requests
         self._copy_accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
         self._copy_global = [0.6, 1.0]  # the same for copied tokens
+        self._reply = [0.0, 0.0]  # decayed (accepted, examined) of tokens copied from earlier replies
         # decayed (accepted, reached) per drafted position over all requests
         self._positions = [[0.0, 0.0] for _ in range(max_draft_tokens)]
 
@@ -70,15 +79,30 @@ class SpeculationPolicy:
         return _rate(self._copy_accept.get(seq, (0.0, 0.0)), self._copy_global, self.PRIOR_FLOOR,
                      self.PRIOR_WEIGHT)
 
+    def reply_alpha(self) -> float:
+        """How often tokens copied from earlier replies pass, over a prior of the context copies' rate."""
+        return _rate(self._reply, self._copy_global, self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
+
+    def copies_from_replies(self, seq: Sequence, can_draft: bool) -> bool:
+        """Whether a copy from an earlier reply may take this row's round: always where the row
+        cannot draft, else while such copies pass at least as often as the row's drafts. A
+        refusal lets the evidence against them fade, so they are retried after a while."""
+        if not self.adaptive or not can_draft or self.reply_alpha() >= self.alpha(seq):
+            return True
+        self._reply = [x * self.REPLY_RETRY_DECAY for x in self._reply]
+        return False
+
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
-               copy_caps: list[int] | None = None) -> list[int]:
-        """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied from
-        the context where copy_caps[i] > 0 (up to that many; the row then drafts nothing)."""
+               copy_caps: list[int] | None = None, from_reply: list[bool] | None = None) -> list[int]:
+        """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied where
+        copy_caps[i] > 0 (up to that many; the row then drafts nothing), from the context or,
+        where from_reply[i], from an earlier reply."""
         copy_caps = copy_caps or [0] * len(seqs)
+        from_reply = from_reply or [False] * len(seqs)
         caps = [0 if copy else min(c, self.max_draft_tokens) for c, copy in zip(caps, copy_caps)]
         if not self.adaptive or not seqs or max(caps) + max(copy_caps) == 0:
             return [copy or c for c, copy in zip(caps, copy_caps)]
-        ks, pays = self._allocate(seqs, caps, copy_caps, prefill_tokens)
+        ks, pays = self._allocate(seqs, caps, copy_caps, from_reply, prefill_tokens)
         speculate = pays
         if self.rates is not None:
             # Steps with prefill chunks or copied rows are not measured (they say little about
@@ -91,12 +115,12 @@ class SpeculationPolicy:
             ks = [k if copy else min(cap, 1) for k, cap, copy in zip(ks, caps, copy_caps)]
         # the measured verdict is about the draft: copied rows keep what the cost model gave them
         chosen = [k if speculate or copy else 0 for k, copy in zip(ks, copy_caps)]
-        for seq, k, copy in zip(seqs, chosen, copy_caps):
+        for seq, k, copy, reply in zip(seqs, chosen, copy_caps, from_reply):
             _decay_idle(self._accept, seq, k == 0 and not copy, self.IDLE_DECAY)
-            _decay_idle(self._copy_accept, seq, not (copy and k), self.IDLE_DECAY)
+            _decay_idle(self._copy_accept, seq, not (copy and k and not reply), self.IDLE_DECAY)
         return chosen
 
-    def _allocate(self, seqs: list[Sequence], caps: list[int], copy_caps: list[int],
+    def _allocate(self, seqs: list[Sequence], caps: list[int], copy_caps: list[int], from_reply: list[bool],
                   prefill_tokens: int) -> tuple[list[int], bool]:
         """Verify positions per row by the cost model, and whether they beat plain decoding."""
         c = self.cost
@@ -107,8 +131,8 @@ class SpeculationPolicy:
         # positions cost forward time only.
         ks = [0] * len(seqs)
         factors = self._depth_factors() if any(caps) else []  # no draft rows (or no draft at all)
-        gains = [self._copy_gains(s, copy) if copy else self._gains(s, cap, factors)
-                 for s, cap, copy in zip(seqs, caps, copy_caps)]
+        gains = [self._copy_gains(s, copy, reply) if copy else self._gains(s, cap, factors)
+                 for s, cap, copy, reply in zip(seqs, caps, copy_caps, from_reply)]
         limits = [copy or cap for cap, copy in zip(caps, copy_caps)]
         gain, time = float(len(seqs)), plain_time + (c.d0 if any(caps) else 0.0)
         while True:
@@ -151,9 +175,10 @@ class SpeculationPolicy:
             gains.append(reach)
         return gains
 
-    def _copy_gains(self, seq: Sequence, cap: int) -> list[float]:
-        """Expected tokens that copied positions 1..cap add: the row's copy acceptance, flat."""
-        alpha = min(self.MAX_ACCEPT, self.copy_alpha(seq))
+    def _copy_gains(self, seq: Sequence, cap: int, from_reply: bool = False) -> list[float]:
+        """Expected tokens that copied positions 1..cap add: the row's copy acceptance (the
+        engine's, for copies from earlier replies), flat."""
+        alpha = min(self.MAX_ACCEPT, self.reply_alpha() if from_reply else self.copy_alpha(seq))
         return [alpha ** j for j in range(1, cap + 1)]
 
     def observe_step(self, batch: int, ks: list[int], tokens: int, seconds: float) -> None:
@@ -170,10 +195,13 @@ class SpeculationPolicy:
         self.cost.v0, self.cost.v1 = _fit(self._forward, self.cost.v0, self.cost.v1)
         self.cost.d0, self.cost.d1 = _fit(self._draft, self.cost.d0, self.cost.d1)
 
-    def record(self, seq: Sequence, k: int, accepted: int, copied: bool = False) -> None:
+    def record(self, seq: Sequence, k: int, accepted: int, copied: bool = False, from_reply: bool = False) -> None:
         if k == 0:
             return
         examined = min(accepted + 1, k)  # positions examined up to the first rejection
+        if from_reply:  # engine-wide, apart from the row's context copies
+            self._reply = [self._reply[0] * self.GLOBAL_DECAY + accepted, self._reply[1] * self.GLOBAL_DECAY + examined]
+            return
         stats = (self._copy_accept if copied else self._accept).setdefault(seq, [0.0, 0.0])
         stats[0] += accepted
         stats[1] += examined

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dlite_ray.constants import DEFAULT_REPLY_CACHE_TOKENS
+
 
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -24,6 +26,9 @@ class EngineArgs(BaseModel):
     lookup_tokens: int | None = Field(
         None, ge=0, le=15, description="most tokens copied from the context per round instead of drafted; "
                                        "null = 15 with a draft, 0 without; 0 = off")
+    reply_cache_tokens: int = Field(
+        DEFAULT_REPLY_CACHE_TOKENS, ge=0, description="tokens of earlier replies kept per tenant and copied where "
+                                                      "a request's context has no match; 0 = off")
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
     disaggregated_draft: bool = Field(
         True, description="run the draft in its own actor (bundle 1) over torch.distributed")

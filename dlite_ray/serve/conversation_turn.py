@@ -55,7 +55,7 @@ class ConversationTurns:
             # to the replica that holds this conversation's KV (the affinity router falls back
             # to load when it is gone); the reply's KV stays pinned there (the lease)
             chunks, _ = await self.start(conv["messages"], turn.params, route_to=conv["replica"],
-                                         conversation=conversation_id)
+                                         conversation=conversation_id, tenant=tenant)
             accepted = True
             async for chunk in chunks:
                 yield chunk

@@ -30,7 +30,8 @@ class GrpcMethods:
             return
         with slot:  # a cancelled RPC closes this generator, which releases the slot
             try:
-                chunks, _ = await self._start(parsed.prompt, parsed.params)  # a refused request: no chunk sent
+                # a refused request: no chunk sent
+                chunks, _ = await self._start(parsed.prompt, parsed.params, tenant=tenant)
                 async for chunk in held_for_tool_calls(chunks, parsed.tools):
                     yield proto_chunk(chunk)
             except Exception as exc:  # noqa: BLE001

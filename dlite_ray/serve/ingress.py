@@ -45,12 +45,14 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
         self.turns = ConversationTurns(router, self.holder, self._start)
 
     async def _start(self, prompt: Prompt, params: SamplingParams, route_to: str | None = None,
-                     conversation: str | None = None) -> tuple[AsyncIterator[GenerateChunk], Callable[[], None]]:
+                     conversation: str | None = None,
+                     tenant: str | None = None) -> tuple[AsyncIterator[GenerateChunk], Callable[[], None]]:
         """Send one request to a TargetWorker and wait for its first chunk: the replica that
         runs it tokenizes and validates it, and a request it refuses (InvalidRequest: over
         the context, a grammar it cannot use) raises here, before a caller commits to a
         response (a 200 stream that would only then fail). Returns the reply's chunks (the
-        first included) and `cancel`, for a caller that drops them unread.
+        first included) and `cancel`, for a caller that drops them unread. `tenant` names
+        whose earlier replies the reply may copy from (the worker's reply cache).
 
         Why wait for the first token rather than an "accepted" chunk sent before prefill:
         the engine validates a request in two places (the prompt's tokens on the caller's
@@ -58,7 +60,8 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
         that it was accepted; a stream's client sees nothing sooner either way."""
         started = time.perf_counter()
         stream = _WorkerStream(self.worker.options(stream=True).generate.remote(
-            prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(prompt)))
+            prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(prompt),
+            tenant=tenant))
         try:
             first = await anext(stream.chunks, None)
         except BaseException:

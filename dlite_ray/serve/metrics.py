@@ -28,6 +28,9 @@ class Metrics:
         self.draft_connected = Gauge("dlite_draft_connected",
                                      "1 while the draft answered its last round or heartbeat", registry=r)
         self.draft_restarts = Gauge("dlite_draft_restarts", "reconnections of the draft after a failure", registry=r)
+        self.reply_cache_tokens = Gauge("dlite_reply_cache_tokens",
+                                        "tokens of earlier replies held for copying (every tenant)", registry=r)
+        self.reply_cache_replies = Gauge("dlite_reply_cache_replies", "earlier replies held for copying", registry=r)
 
     def finished(self, stats: RequestStats | None, latency: float) -> None:
         self.requests.inc()
@@ -52,6 +55,8 @@ class Metrics:
         self.comm_time.set(stats.draft_comm_time_s)
         self.draft_connected.set(1 if stats.draft_connected else 0)
         self.draft_restarts.set(stats.draft_restarts)
+        self.reply_cache_tokens.set(stats.reply_cache_tokens)
+        self.reply_cache_replies.set(stats.reply_cache_replies)
 
     def snapshot(self) -> dict:
         return {"requests": self.requests._value.get(), "tokens": self.tokens._value.get()}

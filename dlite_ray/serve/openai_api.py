@@ -80,7 +80,7 @@ class OpenAIRoutes:
             parsed = await self._parse(request, parse)
             slot = self.tenant_limits.acquire(tenant)
             # the replica that runs it validates it: a refused request is a 4xx, not a 200 stream that fails
-            chunks, cancel = await self._start(parsed.prompt, parsed.params)
+            chunks, cancel = await self._start(parsed.prompt, parsed.params, tenant=tenant)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
             if slot is not None:
                 slot.release()

@@ -40,17 +40,19 @@ class TargetWorker:
         log.info("target worker ready (draft: %s)", type(self.engine.draft).__name__ if self.engine.draft else "none")
 
     async def generate(self, prompt: Prompt, params: SamplingParams, route_to: str | None = None,
-                       conversation: str | None = None, prefix_key: str | None = None) -> AsyncIterator[GenerateChunk]:
+                       conversation: str | None = None, prefix_key: str | None = None,
+                       tenant: str | None = None) -> AsyncIterator[GenerateChunk]:
         """Stream one request's `GenerateChunk`s. The prompt is tokenized and the request
         validated here, on the replica that runs it: a request the engine refuses raises
-        InvalidRequest before the first chunk.
+        InvalidRequest before the first chunk. The reply may copy from the tenant's earlier
+        replies on this replica, and is kept for its later ones (the engine's reply cache).
 
         route_to / conversation / prefix_key steer the ConversationAffinityRouter; a
         conversation's KV stays pinned here after the reply (its lease), until
         `release_lease`. The last chunk names this replica and any conversations whose
         KV it had to give up under memory pressure."""
         text = TextStream(self.engine.decode_output, params.stop)
-        async for chunk in self.async_engine.generate(prompt, params, lease=conversation):
+        async for chunk in self.async_engine.generate(prompt, params, lease=conversation, namespace=tenant):
             out = GenerateChunk(chunk.token_ids, text.push(chunk.token_ids, chunk.finished), chunk.finished,
                                 chunk.finish_reason, self._visible_logprobs(chunk), chunk.error, chunk.stats)
             if chunk.finished:
@@ -84,7 +86,8 @@ class TargetWorker:
         draft = self.engine.draft
         return WorkerStats(replica=self.replica_id, running=load.running, waiting=load.waiting,
                            kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
-                           held_leases=load.held_leases,
+                           held_leases=load.held_leases, reply_cache_tokens=load.reply_cache_tokens,
+                           reply_cache_replies=load.reply_cache_replies,
                            draft_connected=bool(getattr(draft, "connected", draft is not None)),
                            draft_restarts=getattr(draft, "restarts", 0),
                            draft_comm_time_s=getattr(draft, "comm_time", 0.0),

@@ -55,3 +55,5 @@ class WorkerStats:
     draft_comm_time_s: float = 0.0
     cpu_threads: int = 0
     draft_cpu_threads: int | None = None  # a draft in its own actor
+    reply_cache_tokens: int = 0  # tokens of earlier replies the engine holds for copying
+    reply_cache_replies: int = 0

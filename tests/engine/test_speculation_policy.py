@@ -106,6 +106,25 @@ def test_a_row_whose_copies_were_cut_tries_copying_again():
     assert 1 < rounds < 50
 
 
+def test_failing_copies_from_replies_give_rounds_back_to_the_draft_until_retried():
+    policy, seq = SpeculationPolicy(max_draft_tokens=7), _seq()
+    for _ in range(30):
+        policy.record(seq, 7, 1)  # the row's drafts: half of the examined positions pass
+    assert policy.copies_from_replies(seq, can_draft=True)  # no evidence against them yet
+    for _ in range(20):
+        policy.record(seq, 15, 0, copied=True, from_reply=True)  # rejected at once
+    assert policy.reply_alpha() < 0.1 < policy.alpha(seq)
+    assert policy.copy_alpha(seq) == SpeculationPolicy(max_draft_tokens=7).copy_alpha(_seq())  # context copies
+    assert policy.copies_from_replies(seq, can_draft=False)  # better than plain decoding
+    assert SpeculationPolicy(max_draft_tokens=7, adaptive=False).copies_from_replies(seq, can_draft=True)
+    refusals = 0
+    while not policy.copies_from_replies(seq, can_draft=True) and refusals < 1000:
+        refusals += 1  # each refusal lets the evidence fade
+    assert 20 < refusals < 1000
+    cut = policy.choose([seq], [7], copy_caps=[15], from_reply=[True])[0]  # sized by the replies' own rate
+    assert cut < policy.choose([seq], [7], copy_caps=[15])[0]
+
+
 def test_cost_fits_are_not_tilted_by_a_few_slow_steps():
     """Draft calls cost 6.9 ms + 0.55 ms per position; a shared machine stalls now and then.
     Three stalled calls at the longest draft must not make deep positions look expensive."""

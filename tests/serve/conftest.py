@@ -53,8 +53,8 @@ def serve_app(tiny_serving_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-state")
     (root / "keys").write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     args = AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=True,
-                                     adaptive_draft_length=False, max_kv_tokens=8192, draft_timeout_s=10,
-                                     cpu_threads=2),
+                                     adaptive_draft_length=False, reply_cache_tokens=0, max_kv_tokens=8192,
+                                     draft_timeout_s=10, cpu_threads=2),
                    api_keys_file=str(root / "keys"), conversations={"store_path": str(root / "conv.sqlite3")})
     handle = serve.run(build_app(args), name="dlite", route_prefix="/")
     yield handle, args

@@ -353,13 +353,16 @@ class LocalApp:
         self.worker.async_engine.shutdown()
 
 
-def tiny_engine(model_dirs):
+def tiny_engine(model_dirs, reply_cache_tokens: int = 0):
     """A DLiteEngine on `tiny_serving_model`'s (target dir, draft dir), its draft in-process,
-    every round drafting (no adaptive length), as the Ray tests' app configures it."""
+    every round drafting or copying from the context (no adaptive length, no reply cache: a
+    repeated request would otherwise copy its whole reply in one round), as the Ray tests'
+    app configures it."""
     from dlite_ray.engine.engine import DLiteEngine
 
     target_dir, draft_dir = model_dirs
-    return DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False, max_kv_tokens=8192)
+    return DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False, max_kv_tokens=8192,
+                                       reply_cache_tokens=reply_cache_tokens)
 
 
 def local_args(tmp_path: Path, keys: dict[str, str], **overrides):

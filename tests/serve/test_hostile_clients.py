@@ -44,7 +44,8 @@ class FakeWorker:
         self.holding = 0
         self.released_leases: list[str] = []
 
-    async def generate(self, prompt, params: SamplingParams, route_to=None, conversation=None, prefix_key=None):
+    async def generate(self, prompt, params: SamplingParams, route_to=None, conversation=None, prefix_key=None,
+                       tenant=None):
         assert isinstance(params, SamplingParams)
         self.generated += 1
         yield _chunk("x", finished=False)

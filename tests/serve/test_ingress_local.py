@@ -11,6 +11,7 @@ import json
 import grpc
 import pytest
 
+from dlite_ray.constants import DEFAULT_REPLY_CACHE_TOKENS
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.proto import dlite_pb2
 from tests.serve.local_handles import GrpcContext, LocalApp, local_args, sse_events, tiny_engine
@@ -31,8 +32,8 @@ def library(tiny_serving_model):
 @pytest.fixture(scope="module")
 def served_engine(tiny_serving_model):
     """The engine the local TargetWorker serves (one per module: each app's worker drives it
-    from its own thread, one app at a time)."""
-    return tiny_engine(tiny_serving_model)
+    from its own thread, one app at a time), copying from earlier replies as a server does."""
+    return tiny_engine(tiny_serving_model, reply_cache_tokens=DEFAULT_REPLY_CACHE_TOKENS)
 
 
 @pytest.fixture
@@ -213,6 +214,26 @@ def test_models_health_metrics_and_no_docs(app):
     assert out["/docs", False][0] == out["/openapi.json", False][0] == 404
     assert json.loads(bare) == {"status": "ok"}
     assert json.loads(full)["worker"]["replica"] == "local" and json.loads(full)["status"] == "ok"
+
+
+def test_a_tenant_s_replies_are_copied_for_that_tenant_only(app, served_engine, library):
+    """The worker keeps each reply under its tenant (the engine's reply cache namespace):
+    a later request of that tenant may copy from it, another tenant's never."""
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]  # asked by tenant-a only
+
+    async def go():
+        chat = await app.http.post("/v1/chat/completions", {"messages": messages, "max_tokens": NEW}, headers=AUTH_A)
+        metrics = await app.http.get("/metrics", headers=AUTH_A)
+        return chat.status, (await metrics.read()).decode()
+
+    status, metrics = asyncio.run(go())
+    assert status == 200
+    prompt, reply = library.encode(messages), library.generate(messages, max_new_tokens=NEW)[0].token_ids
+    cache = served_engine.reply_cache
+    assert cache.propose("tenant-a", prompt, 4) == reply[:4]  # the reply starts after its prompt's tail
+    assert cache.propose("tenant-b", prompt, 4) == [] and cache.propose(None, prompt, 4) == []
+    gauge = next(row for row in metrics.splitlines() if row.startswith("dlite_reply_cache_tokens "))
+    assert float(gauge.split()[1]) >= len(reply)
 
 
 # -- gRPC ----------------------------------------------------------------------------------------
