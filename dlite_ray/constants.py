@@ -19,9 +19,12 @@ DEFAULT_BLOCK_SIZE = DEFAULT_NUM_DRAFT_TOKENS + 1
 DEFAULT_LOOKUP_TOKENS = 15
 # Reply cache (engine/reply_cache.py): tokens of earlier replies kept per namespace (a tenant),
 # copied where the context has no match, and the namespaces kept (the least recently used go).
-# 8192 tokens hold a tenant's last ~70 replies of ~100 tokens; with its n-gram index a full
-# namespace takes ~6 MB of host memory (tracemalloc), so 16 namespaces stay near 100 MB.
-DEFAULT_REPLY_CACHE_TOKENS = 8192
+# Off by default: on the agentic workload it gave no measurable gain (docs/design.md), and a
+# benchmark that repeats its prompts would measure copies of its own earlier replies.
+# REPLY_CACHE_TOKENS (8192) hold a tenant's last ~70 replies of ~100 tokens; with its n-gram
+# index a full namespace takes ~6 MB of host memory (tracemalloc), 16 namespaces ~100 MB.
+DEFAULT_REPLY_CACHE_TOKENS = 0
+REPLY_CACHE_TOKENS = 8192
 DEFAULT_REPLY_CACHE_NAMESPACES = 16
 # The draft's vocabulary (runtime/draft_vocab.py): tokens a trained draft may propose.
 DEFAULT_DRAFT_VOCAB_SIZE = 8192

@@ -5,8 +5,8 @@ The conversations are the bench's `agentic` workload (BFCL multi-turn tool loops
 schemas, a task, then a tool result and the next request per turn), decoded turn-major:
 every conversation's first turn, then every second turn, and so on, so that each later
 turn comes after its own earlier turns and after other conversations'. Two engines share
-the target and the default draft, at default settings; one keeps a reply cache (the
-default `reply_cache_tokens`), the other none. Each request runs on both in turn (the
+the target and the default draft, at default settings; one keeps a reply cache
+(REPLY_CACHE_TOKENS; the engine's default is off), the other none. Each request runs on both in turn (the
 order alternates), each repeat starts from an empty reply cache (the prefix cache stays
 warm: only decoding is measured), and a conversation's history grows with its reply. At
 T = 0 both engines must give the same tokens; the script counts any that differ.
@@ -28,7 +28,7 @@ import statistics
 from tqdm import tqdm
 
 from dlite_ray.bench.workloads import TOOL_RESULT, load_workload
-from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, DEFAULT_REPLY_CACHE_NAMESPACES, DEFAULT_REPLY_CACHE_TOKENS
+from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, DEFAULT_REPLY_CACHE_NAMESPACES, REPLY_CACHE_TOKENS
 from dlite_ray.engine.context_lookup import NgramIndex
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.reply_cache import REPLY_NGRAM_SIZES, ReplyCache
@@ -52,7 +52,8 @@ def main() -> None:
     args = ap.parse_args()
 
     adaptive = not args.fixed_length
-    dlite = DLiteEngine.from_pretrained(max_kv_tokens=args.kv_tokens, adaptive_draft_length=adaptive)
+    dlite = DLiteEngine.from_pretrained(max_kv_tokens=args.kv_tokens, adaptive_draft_length=adaptive,
+                                        reply_cache_tokens=REPLY_CACHE_TOKENS)
     engines = {"dlite": dlite,
                "dlite-noreplycache": DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft, reply_cache_tokens=0,
                                                  max_kv_tokens=args.kv_tokens, adaptive_draft_length=adaptive)}
@@ -121,7 +122,7 @@ def replay(requests: list[tuple[list[int], list[int]]], sizes: tuple[int, ...]) 
     """Greedy replay in decode order: per round, a copy from the context where it has a
     match, else from a cache of earlier replies indexed with `sizes`, else a drafted round
     (not simulated here: it moves on one token). Cache rounds: how many, and tokens kept."""
-    cache = ReplyCache(DEFAULT_REPLY_CACHE_TOKENS, DEFAULT_REPLY_CACHE_NAMESPACES, sizes)
+    cache = ReplyCache(REPLY_CACHE_TOKENS, DEFAULT_REPLY_CACHE_NAMESPACES, sizes)
     kept = []
     for prompt, reply in requests:
         index, p = NgramIndex(), 0

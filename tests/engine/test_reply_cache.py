@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from dlite_ray.constants import REPLY_CACHE_TOKENS
 from dlite_ray.engine.reply_cache import REPLY_NGRAM_SIZES, ReplyCache
 from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.runtime.loading import load_target
@@ -145,6 +146,7 @@ def test_bounds_must_be_positive(args):
 PROMPT_A = random.Random(1).sample(range(3, 128), 40)
 PROMPT_B = random.Random(2).sample(range(3, 128), 30) + PROMPT_A[-10:]  # the same tail, another prompt
 NEW = 40
+CACHE = REPLY_CACHE_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +166,7 @@ def _run(engine, prompt, namespace=None):
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_a_repeated_reply_is_copied_from_the_cache_and_stays_plain_decoding(tiny_target, tiny_draft, plain,
                                                                            with_draft):
-    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15)
+    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15, reply_cache_tokens=CACHE)
     first = _run(engine, PROMPT_A)
     assert first.output_ids == plain["a"] and not first.stats.reply_rounds[0]  # nothing held yet
     assert engine.reply_cache.num_replies == 1
@@ -177,7 +179,7 @@ def test_a_repeated_reply_is_copied_from_the_cache_and_stays_plain_decoding(tiny
 
 
 def test_another_namespace_never_copies_from_a_reply(tiny_target, plain):
-    engine = make_engine(tiny_target, lookup_tokens=15)
+    engine = make_engine(tiny_target, lookup_tokens=15, reply_cache_tokens=CACHE)
     _run(engine, PROMPT_A, namespace="tenant-a")
     other = _run(engine, PROMPT_A, namespace="tenant-b")
     assert other.output_ids == plain["a"] and not any(other.stats.reply_rounds)
@@ -189,8 +191,10 @@ def test_another_namespace_never_copies_from_a_reply(tiny_target, plain):
 
 def test_off_without_copying_or_with_no_tokens(tiny_target, tiny_draft):
     assert make_engine(tiny_target, tiny_draft, lookup_tokens=15, reply_cache_tokens=0).reply_cache is None
-    assert make_engine(tiny_target, lookup_tokens=0).reply_cache is None  # plain decoding stays plain
-    assert make_engine(tiny_target, lookup_tokens=15).reply_cache.max_tokens > 0
+    # plain decoding stays plain
+    assert make_engine(tiny_target, lookup_tokens=0, reply_cache_tokens=CACHE).reply_cache is None
+    assert make_engine(tiny_target, lookup_tokens=15).reply_cache is None  # off unless asked for
+    assert make_engine(tiny_target, lookup_tokens=15, reply_cache_tokens=CACHE).reply_cache.max_tokens == CACHE
     with pytest.raises(ValueError, match="reply_cache_tokens"):
         make_engine(tiny_target, lookup_tokens=15, reply_cache_tokens=-1)
 
@@ -216,7 +220,8 @@ def small_target(tmp_path_factory):
 
 def test_sampled_tokens_copied_from_the_cache_follow_the_target(small_target):
     want2, want1 = _target_second_token_distribution(small_target, 0.9)
-    firsts, seconds, from_cache = _sample_from_cache(make_engine(small_target, lookup_tokens=3))
+    engine = make_engine(small_target, lookup_tokens=3, reply_cache_tokens=CACHE)
+    firsts, seconds, from_cache = _sample_from_cache(engine)
     assert from_cache == len(firsts)  # every request's first round copied from an earlier reply
     for got, want in ((seconds, want2), (firsts, want1)):
         assert chi2_pvalue(got, want.double().numpy()) > 1e-3
@@ -228,5 +233,5 @@ def test_broken_acceptance_of_cached_copies_is_caught(small_target, monkeypatch)
 
     _, want1 = _target_second_token_distribution(small_target, 0.9)
     monkeypatch.setattr(sd, "verify_match", lambda p, drafts, num, gens: (num.clone(), drafts[:, 0]))
-    firsts, _, _ = _sample_from_cache(make_engine(small_target, lookup_tokens=3), reps=1)
+    firsts, _, _ = _sample_from_cache(make_engine(small_target, lookup_tokens=3, reply_cache_tokens=CACHE), reps=1)
     assert chi2_pvalue(firsts, want1.double().numpy()) < 1e-3

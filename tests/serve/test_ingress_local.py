@@ -11,7 +11,7 @@ import json
 import grpc
 import pytest
 
-from dlite_ray.constants import DEFAULT_REPLY_CACHE_TOKENS
+from dlite_ray.constants import REPLY_CACHE_TOKENS
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.proto import dlite_pb2
 from tests.serve.local_handles import GrpcContext, LocalApp, local_args, sse_events, tiny_engine
@@ -33,7 +33,7 @@ def library(tiny_serving_model):
 def served_engine(tiny_serving_model):
     """The engine the local TargetWorker serves (one per module: each app's worker drives it
     from its own thread, one app at a time), copying from earlier replies as a server does."""
-    return tiny_engine(tiny_serving_model, reply_cache_tokens=DEFAULT_REPLY_CACHE_TOKENS)
+    return tiny_engine(tiny_serving_model, reply_cache_tokens=REPLY_CACHE_TOKENS)
 
 
 @pytest.fixture
