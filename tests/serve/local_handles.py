@@ -361,8 +361,8 @@ def tiny_engine(model_dirs, reply_cache_tokens: int = 0):
     from dlite_ray.engine.engine import DLiteEngine
 
     target_dir, draft_dir = model_dirs
-    return DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False, max_kv_tokens=8192,
-                                       reply_cache_tokens=reply_cache_tokens)
+    return DLiteEngine.from_pretrained(target_dir, draft_dir, dtype="float32", adaptive_draft_length=False,
+                                       max_kv_tokens=8192, reply_cache_tokens=reply_cache_tokens)
 
 
 def local_args(tmp_path: Path, keys: dict[str, str], **overrides):

@@ -25,7 +25,7 @@ def reference(tiny_serving_model):
     from dlite_ray.engine.engine import DLiteEngine
 
     target_dir, draft_dir = tiny_serving_model
-    engine = DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
+    engine = DLiteEngine.from_pretrained(target_dir, draft_dir, dtype="float32", adaptive_draft_length=False)
     return engine.generate(MESSAGES, max_new_tokens=24)[0]
 
 
@@ -143,7 +143,7 @@ def reference_logprobs(tiny_serving_model):
     from dlite_ray.serve.logprobs import TokenRenderer
 
     target_dir, draft_dir = tiny_serving_model
-    engine = DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
+    engine = DLiteEngine.from_pretrained(target_dir, draft_dir, dtype="float32", adaptive_draft_length=False)
     result = engine.generate(MESSAGES, max_new_tokens=24, logprobs=3)[0]
     visible = [lp for lp in result.logprobs if lp.token_id not in engine.eos_ids]
     return result.text, TokenRenderer(AutoTokenizer.from_pretrained(target_dir)).chat_entries(visible)
@@ -261,7 +261,7 @@ def test_tool_requests_whole_and_streamed(serve_app, tiny_serving_model):
                          {"role": "tool", "tool_call_id": "call_1", "content": "2 failed"}],
             "tools": [tool], "max_tokens": 24}
     parsed = parse_chat(body, LimitArgs())
-    engine = DLiteEngine.from_pretrained(*tiny_serving_model, adaptive_draft_length=False)
+    engine = DLiteEngine.from_pretrained(*tiny_serving_model, dtype="float32", adaptive_draft_length=False)
     reply = engine.generate(parsed.prompt, max_new_tokens=24)[0]
     expected, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
 
@@ -305,7 +305,7 @@ def test_tools_over_grpc_and_in_conversations(serve_app, tiny_serving_model):
     tool = {"type": "function", "function": {"name": "run_tests", "description": "", "parameters": schema}}
     call = {"id": "call_1", "type": "function", "function": {"name": "run_tests", "arguments": '{"path": "tests/"}'}}
     messages = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [call]}]
-    engine = DLiteEngine.from_pretrained(*tiny_serving_model, adaptive_draft_length=False)
+    engine = DLiteEngine.from_pretrained(*tiny_serving_model, dtype="float32", adaptive_draft_length=False)
     parsed = parse_chat({"messages": messages, "tools": [tool]}, LimitArgs())
     reply = engine.generate(parsed.prompt, max_new_tokens=16)[0]
     expected, finish = chat_message(reply.text, reply.finish_reason, parsed.tools)
@@ -339,7 +339,7 @@ def test_structured_output_over_http_grpc_and_conversations(serve_app, tiny_serv
     schema = {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 4},
                                                "n": {"type": "integer", "minimum": 0, "maximum": 9}},
               "required": ["tag", "n"], "additionalProperties": False}
-    engine = DLiteEngine.from_pretrained(*tiny_serving_model, adaptive_draft_length=False)
+    engine = DLiteEngine.from_pretrained(*tiny_serving_model, dtype="float32", adaptive_draft_length=False)
     reply = engine.generate(MESSAGES, max_new_tokens=40, json_schema=json.dumps(schema))[0]
     assert reply.finish_reason == "stop" and set(json.loads(reply.text)) == {"tag", "n"}
 

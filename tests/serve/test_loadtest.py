@@ -21,7 +21,7 @@ def library(tiny_serving_model):
     from dlite_ray.engine.engine import DLiteEngine
 
     target_dir, draft_dir = tiny_serving_model
-    return DLiteEngine.from_pretrained(target_dir, draft_dir, adaptive_draft_length=False)
+    return DLiteEngine.from_pretrained(target_dir, draft_dir, dtype="float32", adaptive_draft_length=False)
 
 
 def test_a_short_loadtest_loses_nothing_and_matches_the_library(serve_app, library, tmp_path):

@@ -29,7 +29,7 @@ def two_replicas(serve_app, tiny_serving_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("two-replicas")
     (root / "keys").write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     args = AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=False,
-                                     max_kv_tokens=8192),
+                                     dtype="float32", max_kv_tokens=8192),
                    num_replicas=2, routing_stats_period_s=0.5, api_keys_file=str(root / "keys"),
                    conversations={"store_path": str(root / "conv.sqlite3")})
     serve.run(build_app(args), name=APP, route_prefix=PREFIX)
@@ -51,7 +51,7 @@ def library(tiny_serving_model):
     from dlite_ray.engine.engine import DLiteEngine
 
     target_dir, draft_dir = tiny_serving_model
-    return DLiteEngine.from_pretrained(target_dir, draft_dir)
+    return DLiteEngine.from_pretrained(target_dir, draft_dir, dtype="float32")
 
 
 def _create(first_message: str) -> tuple[str, list[dict]]:
