@@ -17,6 +17,13 @@ where longer calls than EXACT_ROWS (a step that carries a prefill chunk, or many
 verify rows) disagree with EXACT_ROWS-row calls, they are made in pieces of EXACT_ROWS
 rows (`large_calls_agree`). Both are measured at the thread count of the first load.
 tests/runtime/test_frozen_linear.py checks this.
+
+Where our own kernel serves (a CPU with AVX-512 for float32, AVX-512 BF16 for bf16; the
+fused kernels built), none of that is needed: `RowLinear` computes each row in a fixed
+order whatever the call (csrc/row_linear.cpp), and reads the weight at close to the memory's
+bandwidth for a handful of rows, where oneDNN's small calls reached half of it (a SmolLM2
+decode step's linears: 13.3 ms cold through oneDNN in bf16 on the EPYC; see
+scripts/linear_bench.py). The probed oneDNN path stays for other CPUs.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dlite_ray.runtime import fused_ops
 
 # oneDNN picks its kernel from this row count hint; decode and verify steps are small.
 PACKING_ROW_HINT = 8
@@ -95,7 +104,24 @@ class PackedLinear(FrozenLinear):
         return torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
 
 
+class RowLinear(FrozenLinear):
+    """A FrozenLinear computed by our CPU kernel (`fused_ops.row_linear`): a row's bits do not
+    depend on the call, by construction, so nothing is padded, split or probed. Its weight is
+    packed once into panels beside the parameter, as PackedLinear's is (the same memory)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(weight, bias)
+        self.packed = fused_ops.pack_row_linear(self.weight)
+
+    def _linear(self, flat: torch.Tensor) -> torch.Tensor:
+        if flat.requires_grad:  # the kernel has no backward (training a module through a frozen linear)
+            return F.linear(flat, self.weight, self.bias)
+        return fused_ops.row_linear(flat, self.packed, self.bias, self.out_features)
+
+
 def freeze_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
+    if fused_ops.row_linear_serves(weight):
+        return RowLinear(weight, bias)
     if weight.is_cuda:
         prefer_cublaslt()
     kind = PackedLinear if can_pack(weight) else FrozenLinear

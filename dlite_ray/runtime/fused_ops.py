@@ -1,9 +1,12 @@
-"""CPU kernels of our own for a decoder layer's small operations and its decode attention.
+"""CPU kernels of our own for a decoder layer: its small operations, its linears, its decode
+attention, and the loop over the layers.
 
 A decode step of a small model on CPU is mostly small operations: an eager RMSNorm is
 eight calls of ~2-5 us each, rotary six, a cache write six. `csrc/fused_ops.cpp` does each
 group in one call; `csrc/decode_attention.cpp` attends a step's few new rows over the paged
-cache (float32 or bf16, AVX-512). They are compiled by torch's extension loader (ninja and the
+cache (float32 or bf16, AVX-512); `csrc/row_linear.cpp` computes the frozen linears
+(`frozen_linear.RowLinear`); `csrc/decoder_layers.cpp` runs a decode or verify forward's
+layers in one call (`layer_loop.py`). They are compiled by torch's extension loader (ninja and the
 system C++ compiler, ~30 s once per machine, cached under ~/.cache/torch_extensions) when
 a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
 run as eager PyTorch calls and attention through the CPU flash kernel.
@@ -29,7 +32,8 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("fused_ops.cpp", "decode_attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("fused_ops.cpp", "decode_attention.cpp", "row_linear.cpp", "decoder_layers.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # -ffp-contract=off: products rounded as written
 
 
@@ -150,6 +154,41 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     of positions [0, first + T) at `slots` of one layer's head-major cache [Hkv, S, Dh]; each row
     computed as it would be alone (csrc/decode_attention.cpp). Only where `attends_decode_rows`."""
     return kernels().decode_attention(q.contiguous(), k_cache, v_cache, slots, first)
+
+
+ROW_LINEAR_PANEL = 64  # output columns per packed panel (csrc/row_linear.cpp)
+
+
+def row_linear_serves(weight: torch.Tensor) -> bool:
+    """Whether `row_linear` computes a linear of this weight [N, K]: on a CPU with AVX-512
+    (float32) or AVX-512 BF16 (bf16, K even)."""
+    if weight.device.type != "cpu" or kernels() is None or weight.dtype not in row_linear_dtypes():
+        return False
+    return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
+
+
+@functools.cache
+def row_linear_dtypes() -> frozenset[torch.dtype]:
+    names = kernels().row_linear_dtypes() if kernels() is not None else []
+    return frozenset(getattr(torch, name) for name in names)
+
+
+def pack_row_linear(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> `row_linear`'s panels of 64 output columns, each one sequential
+    stream: [panels, K, 64] in float32, [panels, K / 2, 64, 2] (pairs along K) in bf16;
+    zero columns pad N up to whole panels."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, (-n) % ROW_LINEAR_PANEL))
+    panels = padded.view(-1, ROW_LINEAR_PANEL, k)
+    if weight.dtype == torch.bfloat16:
+        return panels.view(-1, ROW_LINEAR_PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    return panels.transpose(1, 2).contiguous()
+
+
+def row_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [M, K] @ W^T (+ bias) with W packed by `pack_row_linear`: each row's bits the same
+    in a call of any row count (csrc/row_linear.cpp). Only where `row_linear_serves`."""
+    return kernels().row_linear(x.contiguous(), packed, bias, out_features)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

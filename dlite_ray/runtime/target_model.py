@@ -19,6 +19,7 @@ from dlite_ray.runtime.attention.sdpa import SdpaBackend
 from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.kv_cache import PagedKVCache
+from dlite_ray.runtime.layer_loop import LayerLoop
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary
 
 
@@ -54,6 +55,7 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.layer_loop: LayerLoop | None = None  # set by freeze() where it serves
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, cache: PagedKVCache,
@@ -61,14 +63,12 @@ class TargetModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)  # [T, D]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         want_taps = batch.tap_indices is not None and batch.tap_indices.numel() > 0
-        taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
-            def attend(q, k, v, i=i):
-                return backend.attend(cache, i, batch.attention, q, k, v)
-
-            x = layer(x, cos, sin, attend)
-            if want_taps and i in batch.tap_layers:
-                taps[i] = x.index_select(0, batch.tap_indices)
+        tap_layers = batch.tap_layers if want_taps else ()
+        if self.layer_loop is not None and self.layer_loop.serves(batch.attention, cache, backend):
+            x, taps = self.layer_loop.run(x, cos, sin, batch.attention, cache, tap_layers)
+        else:
+            x, taps = self.run_layers(x, cos, sin, batch.attention, cache, backend, tap_layers)
+        taps = {i: tap.index_select(0, batch.tap_indices) for i, tap in taps.items()}
         last_layer = len(self.layers) - 1
         if batch.normed_last_tap and last_layer in taps:
             taps[last_layer] = self.norm(taps[last_layer])
@@ -76,6 +76,21 @@ class TargetModel(nn.Module):
         logits = self.lm_head(last).float()
         stacked = torch.stack([taps[i] for i in batch.tap_layers], dim=1) if want_taps else None
         return ForwardOutput(logits, stacked)
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                   cache: PagedKVCache, backend: SdpaBackend | FlashAttnBackend, tap_layers: tuple[int, ...]
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The decoder layers one by one (the reference `LayerLoop` equals) -> (the last
+        layer's output, each tap layer's output)."""
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            def attend(q, k, v, i=i):
+                return backend.attend(cache, i, meta, q, k, v)
+
+            x = layer(x, cos, sin, attend)
+            if i in tap_layers:
+                taps[i] = x
+        return x, taps
 
     def freeze(self) -> None:
         """Inference only (the target is never trained here): fused q/k/v and gate/up weights,
@@ -86,6 +101,7 @@ class TargetModel(nn.Module):
         freeze_linears(self.lm_head)
         if self.embed_tokens.weight.device.type == "cpu":
             fused_ops.kernels()  # compiled (first time on a machine) at load, not in the first request
+        self.layer_loop = LayerLoop.for_model(self)
 
     def fingerprint(self) -> str:
         """A cheap identity of the weights: features are only valid for the weights that made them."""

@@ -1,6 +1,7 @@
 """Frozen linears: packed weights compute what F.linear computes, each row the same whatever
 the other rows are and however many there are (what makes a verify step's logits equal
-plain decoding's), padding short calls where the kernel was measured to need it."""
+plain decoding's): our own kernel by construction (RowLinear, where the CPU has it), oneDNN's
+packed calls by padding short calls where the kernel was measured to need it."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.frozen_linear import (
     EXACT_ROWS,
     LARGE_CALL_ROWS,
     FrozenLinear,
     PackedLinear,
+    RowLinear,
     can_pack,
     fewest_exact_rows,
     freeze_linear,
@@ -26,6 +29,17 @@ from dlite_ray.runtime.frozen_linear import (
 DTYPES = [torch.bfloat16, torch.float32]
 needs_packing = pytest.mark.skipif(not all(can_pack(torch.zeros(1, 1, dtype=d)) for d in DTYPES),
                                    reason="no oneDNN packing on this build")
+needs_row_linear = pytest.mark.skipif(not all(fused_ops.row_linear_serves(torch.zeros(1, 2, dtype=d)) for d in DTYPES),
+                                      reason="our linear kernel needs AVX-512 (float32) and AVX-512 BF16 (bf16)")
+
+
+def packed_onednn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+    """What freeze_linear makes where our kernel does not serve: oneDNN, probed."""
+    key = (PackedLinear, *weight.shape, bias is not None, weight.dtype, weight.device)
+    return PackedLinear(weight, bias, fewest_exact_rows(*key), split_large=not large_calls_agree(*key))
+
+
+FREEZERS = {"freeze_linear": freeze_linear, "onednn": packed_onednn}
 
 
 def test_half_precision_weights_are_not_packed():
@@ -37,26 +51,44 @@ def test_half_precision_weights_are_not_packed():
 
 @needs_packing
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linear_matches_f_linear(dtype):
+@pytest.mark.parametrize("freeze", FREEZERS.values(), ids=FREEZERS)
+@pytest.mark.parametrize("shape", [(96, 64), (200, 576)])  # a part-filled last panel of 64 outputs
+def test_frozen_linear_matches_f_linear(shape, freeze, dtype):
     torch.manual_seed(0)
-    w, b = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
-    packed = freeze_linear(w, b)
-    assert isinstance(packed, PackedLinear)
-    x = torch.randn(2, 5, 64).to(dtype)  # any leading shape
-    out = packed(x)
-    assert out.shape == (2, 5, 96) and out.dtype == dtype
+    w, b = torch.randn(*shape).to(dtype), torch.randn(shape[0]).to(dtype)
+    frozen = freeze(w, b)
+    x = torch.randn(2, 5, shape[1]).to(dtype)  # any leading shape
+    out = frozen(x)
+    assert out.shape == (2, 5, shape[0]) and out.dtype == dtype
     torch.testing.assert_close(out.float(), F.linear(x.float(), w.float(), b.float()), rtol=0.02, atol=0.05)
+
+
+@needs_row_linear
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_our_kernel_serves_where_the_cpu_has_it(dtype):
+    assert isinstance(freeze_linear(torch.randn(96, 64).to(dtype)), RowLinear)
+
+
+@needs_row_linear
+def test_our_kernel_leaves_gradients_to_f_linear():
+    """It has no backward: an input that needs gradients goes through F.linear."""
+    w = torch.randn(8, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    out = freeze_linear(w)(x)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(3, 4))
 
 
 @needs_packing
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("freeze", FREEZERS.values(), ids=FREEZERS)
 @pytest.mark.parametrize("shape", [(960, 576), (3072, 576), (576, 1536)])  # SmolLM2's q/k/v, gate/up, down
-def test_rows_do_not_depend_on_the_other_rows(shape, dtype):
-    """On an AMD EPYC a one-row bf16 call of the down projection rounds about one row in 25
-    differently, and float32 differs below 16 rows unpacked: 4 x 32 rows show both."""
+def test_rows_do_not_depend_on_the_other_rows(shape, freeze, dtype):
+    """On an AMD EPYC a one-row bf16 oneDNN call of the down projection rounds about one row
+    in 25 differently, and float32 differs below 16 rows unpacked: 4 x 32 rows show both."""
     for seed in range(4):
         torch.manual_seed(seed)
-        frozen = freeze_linear(torch.randn(*shape).to(dtype))
+        frozen = freeze(torch.randn(*shape).to(dtype))
         x = torch.randn(EXACT_ROWS, shape[1]).to(dtype)
         together = frozen(x)
         for rows in (1, 2, 6, 8, 16, 24, 31):  # a decode row, verify rows, a small batch of them
@@ -115,10 +147,11 @@ def test_long_calls_are_split_where_the_kernel_rounds_them_differently(rows):
 
 @needs_packing
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_packed_linears_of_this_machine_are_measured_for_long_calls(dtype):
+@pytest.mark.parametrize("freeze", FREEZERS.values(), ids=FREEZERS)
+def test_long_calls_of_this_machine_give_rows_the_bits_of_short_ones(freeze, dtype):
     torch.manual_seed(0)
     w = torch.randn(960, 576).to(dtype)
-    frozen = freeze_linear(w)
+    frozen = freeze(w)
     x = torch.randn(300, 576).to(dtype)
     pieces = torch.cat([frozen(x[i:i + EXACT_ROWS]) for i in range(0, 300, EXACT_ROWS)])
     assert torch.equal(frozen(x), pieces)  # whether the kernel agrees or the call was split

@@ -79,7 +79,7 @@ class SdpaBackend:
         for span in meta.spans:
             n = span.q_len
             rows = q if len(meta.spans) == 1 else q[span.q_start:span.q_start + n]
-            if _positioned(span, group):
+            if positioned(span, group):
                 if fused_ops.attends_decode_rows(rows):
                     first = span.ctx_len - n
                     outs.append(fused_ops.decode_attention(rows, k_all, v_all, _context_slots(span, q.device), first))
@@ -99,7 +99,7 @@ def _context_kv(span: SequenceSpan, k_all: torch.Tensor, v_all: torch.Tensor) ->
     return k_all.index_select(1, slots), v_all.index_select(1, slots)
 
 
-def _positioned(span: SequenceSpan, group: int) -> bool:
+def positioned(span: SequenceSpan, group: int) -> bool:
     """Whether a span's rows go the position-exact way (decode and verify steps)."""
     return span.q_len <= MAX_POSITIONED_TOKENS and group <= MAX_POSITIONED_ROWS
 
@@ -110,17 +110,17 @@ def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.T
     (window_batch.py); prefill chunks one by one, causally masked over GQA-folded rows."""
     hkv, dh = k_all.shape[0], k_all.shape[2]
     group = q.shape[1] // hkv
-    positioned = [s for s in meta.spans if _positioned(s, group)]
-    if positioned and meta.window_plan is None:
-        meta.window_plan = plan_windows(positioned, [_context_slots(s, q.device) for s in positioned], q.shape[1],
+    exact = [s for s in meta.spans if positioned(s, group)]
+    if exact and meta.window_plan is None:
+        meta.window_plan = plan_windows(exact, [_context_slots(s, q.device) for s in exact], q.shape[1],
                                         hkv, WINDOW, MAX_POSITIONED_ROWS, q.dtype, q.device)
-    if len(positioned) == len(meta.spans):  # a decode / verify step: the plan covers every token, in order
+    if len(exact) == len(meta.spans):  # a decode / verify step: the plan covers every token, in order
         return attend_windows(meta.window_plan, q, k_all, v_all)
     out = torch.empty_like(q)
-    if positioned:
+    if exact:
         out[meta.window_plan.tokens] = attend_windows(meta.window_plan, q, k_all, v_all)
     for span in meta.spans:
-        if _positioned(span, group):
+        if positioned(span, group):
             continue
         n = span.q_len
         k_ctx, v_ctx = _context_kv(span, k_all, v_all)

@@ -18,6 +18,8 @@
 // there; read from memory, as in a forward, 2.3-3x (scripts/decode_attention_bench.py).
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -395,6 +397,10 @@ bool attends(at::ScalarType dtype) {
   return false;
 }
 
+}  // namespace
+
+namespace dlite {
+
 // q [T, Hq, D] at positions first .. first + T - 1, attending causally the keys and
 // values of positions [0, first + T), which sit at `slots` of one layer's head-major cache
 // [Hkv, S, D]; float32 or bf16 (as the build allows), D = 64 or 128. -> [T, Hq, D].
@@ -427,9 +433,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 #endif
 }
 
-}  // namespace
+}  // namespace dlite
 
 void register_decode_attention(pybind11::module& m) {
   m.def("decode_attention_dtypes", &dtypes);
-  m.def("decode_attention", &decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("decode_attention", &dlite::decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -8,6 +8,8 @@
 // would, which speculative decoding needs to be exact.
 #include <torch/extension.h>
 
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -15,7 +17,7 @@
 #include <utility>
 #include <tuple>
 
-namespace {
+namespace dlite {
 
 template <typename T>
 inline float f(T x) {
@@ -163,15 +165,19 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   });
 }
 
-}  // namespace
+}  // namespace dlite
 
 void register_decode_attention(pybind11::module& m);  // decode_attention.cpp
+void register_row_linear(pybind11::module& m);        // row_linear.cpp
+void register_decoder_layers(pybind11::module& m);    // decoder_layers.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("rotate_qkv", &rotate_qkv);
-  m.def("silu_mul", &silu_mul);
-  m.def("write_kv", &write_kv);
+  m.def("rms_norm", &dlite::rms_norm);
+  m.def("add_rms_norm", &dlite::add_rms_norm);
+  m.def("rotate_qkv", &dlite::rotate_qkv);
+  m.def("silu_mul", &dlite::silu_mul);
+  m.def("write_kv", &dlite::write_kv);
   register_decode_attention(m);
+  register_row_linear(m);
+  register_decoder_layers(m);
 }

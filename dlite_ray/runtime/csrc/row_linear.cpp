@@ -1,0 +1,206 @@
+// Inference linears on CPU, y = x W^T + b, whose rows are exact by construction (see
+// dlite_ray/runtime/frozen_linear.py, `RowLinear`). oneDNN picks its kernel by the call's
+// row count, and some of those kernels round a row differently, so a verify step could
+// give a row other bits than decoding it alone: frozen_linear.py used to probe each shape
+// and pad or split calls around it. Here every output is one accumulator that takes the
+// products of its row and column in a fixed order (k = 0, 1, ...: one fused multiply-add per
+// k in float32, one bf16 pair dot product per two k in bf16), whatever the row count, the
+// tile a row falls in, or the thread that runs it. No operation mixes two rows.
+//
+// Speed: decode and verify read each weight once from memory, so a call of 1 to ~16 rows
+// costs about one read of its weight. The weight is packed at load into panels of 64 output
+// columns, each one sequential stream ([K][64] floats, or [K / 2][64] bf16 pairs for the
+// pair dot product), so the hardware prefetcher keeps the memory bus busy; threads take
+// whole panels; a panel is swept once per tile of up to four rows, from cache after the
+// first.
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define DLITE_LINEAR_FLOAT 1  // float32: AVX-512 F
+#if defined(__AVX512BF16__)
+#define DLITE_LINEAR_BF16 1  // bf16: the bf16 pair dot-product instruction
+#endif
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 64;  // output columns of a packed panel: four vectors of 16
+constexpr int kTile = 4;        // rows swept together over a panel (16 accumulators)
+
+#ifdef DLITE_LINEAR_FLOAT
+
+// The rows' dot products with one panel, as float32 sums in `out` [R][64].
+// float32 panel [K][64]: acc += x[k] * w[k] for k = 0 .. K - 1.
+template <int R>
+void panel_f32(const float* x, int64_t k, const float* w, float* out) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; ++i) {
+    const float* wi = w + i * kPanel;
+    __m512 wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(wi + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * k + i]);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_fmadd_ps(xv, wv[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kPanel + 16 * j, acc[r][j]);
+}
+
+#endif
+
+#ifdef DLITE_LINEAR_BF16
+
+// bf16 panel [K / 2][64][2]: acc += x[2p] * w[2p] + x[2p + 1] * w[2p + 1] for p = 0 .. K / 2 - 1.
+template <int R>
+void panel_bf16(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) {
+  const int64_t pairs = k / 2;
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    const at::BFloat16* wp = w + p * 2 * kPanel;
+    __m512bh wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(wp + 32 * j);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * k + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * kPanel + 16 * j, acc[r][j]);
+}
+
+#endif
+
+// The sums of `rows` (1 .. kTile) rows with one panel: one instantiation per row count, each
+// row's arithmetic the same in all of them.
+template <typename T, typename Panel1, typename Panel2, typename Panel3, typename Panel4>
+void tile(int rows, const T* x, int64_t k, const T* w, float* out, Panel1 p1, Panel2 p2, Panel3 p3, Panel4 p4) {
+  switch (rows) {
+    case 1: return p1(x, k, w, out);
+    case 2: return p2(x, k, w, out);
+    case 3: return p3(x, k, w, out);
+    default: return p4(x, k, w, out);
+  }
+}
+
+template <typename T>
+void sweep_panel(const T* x, int64_t k, const T* w, float* sums, int rows);
+
+#ifdef DLITE_LINEAR_FLOAT
+template <>
+void sweep_panel<float>(const float* x, int64_t k, const float* w, float* sums, int rows) {
+  tile(rows, x, k, w, sums, panel_f32<1>, panel_f32<2>, panel_f32<3>, panel_f32<4>);
+}
+#endif
+#ifdef DLITE_LINEAR_BF16
+template <>
+void sweep_panel<at::BFloat16>(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* sums, int rows) {
+  tile(rows, x, k, w, sums, panel_bf16<1>, panel_bf16<2>, panel_bf16<3>, panel_bf16<4>);
+}
+#endif
+
+// out [M, N] = x [M, K] times the packed weight [N / 64 panels] (+ bias [N], float32 add),
+// each sum rounded once to T.
+template <typename T>
+void linear(const T* x, int64_t m, int64_t k, const T* packed, const T* bias, int64_t n, T* out) {
+  const int64_t panels = (n + kPanel - 1) / kPanel, panel_size = k * kPanel;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    float sums[kTile * kPanel];
+    for (int64_t panel = begin; panel < end; ++panel) {
+      const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
+      for (int64_t row = 0; row < m; row += kTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTile, m - row));
+        sweep_panel<T>(x + row * k, k, packed + panel * panel_size, sums, rows);
+        for (int r = 0; r < rows; ++r) {
+          T* y = out + (row + r) * n + col;
+          const float* s = sums + r * kPanel;
+          for (int64_t c = 0; c < cols; ++c)
+            y[c] = static_cast<T>(bias ? s[c] + static_cast<float>(bias[col + c]) : s[c]);
+        }
+      }
+    }
+  });
+}
+
+std::vector<std::pair<at::ScalarType, std::string>> built_dtypes() {
+  std::vector<std::pair<at::ScalarType, std::string>> built;
+#ifdef DLITE_LINEAR_FLOAT
+  built.emplace_back(at::kFloat, "float32");
+#endif
+#ifdef DLITE_LINEAR_BF16
+  built.emplace_back(at::kBFloat16, "bfloat16");
+#endif
+  return built;
+}
+
+std::vector<std::string> dtypes() {
+  std::vector<std::string> names;
+  for (const auto& [dtype, name] : built_dtypes()) names.push_back(name);
+  return names;
+}
+
+bool serves(at::ScalarType dtype) {
+  for (const auto& [built, name] : built_dtypes())
+    if (built == dtype) return true;
+  return false;
+}
+
+}  // namespace
+
+namespace dlite {
+
+// x [M, K] contiguous; packed [N_padded / 64, K, 64] (float32) or [N_padded / 64, K / 2, 128]
+// (bf16 pairs), as frozen_linear.pack_row_linear lays it out; bias [N] or None -> [M, N].
+torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
+                         int64_t n) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(serves(dtype), "row_linear: this build does not compute ", dtype);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "row_linear: x must be contiguous CPU [M, K]");
+  const int64_t m = x.size(0), k = x.size(1), panels = (n + kPanel - 1) / kPanel;
+  TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == dtype &&
+                  packed.numel() == panels * kPanel * k && (dtype != at::kBFloat16 || k % 2 == 0),
+              "row_linear: the packed weight does not fit x [", m, ", ", k, "] and ", n, " outputs");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == dtype &&
+                            bias->is_contiguous()), "row_linear: bias must be [N] in x's dtype");
+  auto out = torch::empty({m, n}, x.options());
+  if (m == 0) return out;
+#ifdef DLITE_LINEAR_BF16
+  if (dtype == at::kBFloat16) {
+    linear<at::BFloat16>(x.data_ptr<at::BFloat16>(), m, k, packed.data_ptr<at::BFloat16>(),
+                         has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, n, out.data_ptr<at::BFloat16>());
+    return out;
+  }
+#endif
+#ifdef DLITE_LINEAR_FLOAT
+  linear<float>(x.data_ptr<float>(), m, k, packed.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, n,
+                out.data_ptr<float>());
+  return out;
+#else
+  TORCH_INTERNAL_ASSERT(false, "unreachable: `serves` refused every dtype");
+#endif
+}
+
+}  // namespace dlite
+
+void register_row_linear(pybind11::module& m) {
+  m.def("row_linear_dtypes", &dtypes);
+  m.def("row_linear", &dlite::row_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,90 @@
+"""The decoder layers in one C++ call (LayerLoop): every bit of a decode or verify forward
+(logits, layer taps, the keys and values it writes) equals the layer-by-layer path's, and
+it steps aside where it does not serve."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlite_ray.engine.model_runner import RowInput
+from dlite_ray.runtime import fused_ops
+from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS
+from dlite_ray.runtime.layer_loop import LayerLoop
+from dlite_ray.runtime.loading import load_target
+from tests.conftest import make_tiny_checkpoint
+from tests.helpers import forward_all, new_runner, new_seq
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+@pytest.fixture(scope="module")
+def head_dim_64(tmp_path_factory) -> dict[str, object]:
+    """Tiny checkpoints whose head dim our decode kernel attends (qwen2: q/k/v biases)."""
+    root = tmp_path_factory.mktemp("head64")
+    return {arch: make_tiny_checkpoint(root / arch, arch, head_dim=64) for arch in ("llama", "qwen2", "qwen3")}
+
+
+def _target(directory, dtype):
+    model = load_target(directory, dtype)
+    if model.layer_loop is None and not all(fused_ops.decode_kernel_serves(64, d) for d in DTYPES):
+        pytest.skip("our decode kernel needs AVX-512 (float32) and AVX-512 BF16 (bf16)")
+    return model
+
+
+def _both_ways(model, runner, rows):
+    """The same forward through the loop and layer by layer: (outputs, cache) of each."""
+    results = []
+    loop = model.layer_loop
+    for way in (loop, None):
+        model.layer_loop = way
+        out = runner.run(rows)
+        results.append(([(o.logits, o.taps) for o in out], runner.cache.k.clone(), runner.cache.v.clone()))
+    model.layer_loop = loop
+    return results
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_and_verify_rows_have_the_layer_by_layer_bits(head_dim_64, arch, dtype):
+    model = _target(head_dim_64[arch], dtype)
+    assert model.layer_loop is not None
+    runner = new_runner(model, tap_layers=(0, 2, 3))
+    seqs = [new_seq(list(range(3 + i, 40 + 17 * i))) for i in range(3)]
+    for seq in seqs:
+        forward_all(runner, seq, seq.token_ids)
+    # One decode row, a verify block, and a block of the longest position-exact length.
+    rows = [RowInput(seqs[0], [5]), RowInput(seqs[1], [7, 8, 9, 10, 11], 5),
+            RowInput(seqs[2], list(range(20, 20 + MAX_POSITIONED_TOKENS)), MAX_POSITIONED_TOKENS)]
+    for seq, row in zip(seqs, rows):
+        runner.blocks.prepare_write(seq.block_table, seq.num_computed, seq.num_computed + len(row.tokens))
+    (loop_out, loop_k, loop_v), (eager_out, eager_k, eager_v) = _both_ways(model, runner, rows)
+    for (logits, taps), (eager_logits, eager_taps) in zip(loop_out, eager_out):
+        assert torch.equal(logits, eager_logits) and torch.equal(taps, eager_taps)
+    assert torch.equal(loop_k, eager_k) and torch.equal(loop_v, eager_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_row_decoded_alone_equals_the_same_row_verified_in_a_block(head_dim_64, dtype):
+    """What exact speculative decoding rests on, through the loop."""
+    model = _target(head_dim_64["llama"], dtype)
+    runner = new_runner(model)
+    prompt, block = list(range(3, 50)), [9, 4, 17, 30, 2, 11]
+    alone, together = new_seq(prompt), new_seq(prompt)
+    for seq in (alone, together):
+        forward_all(runner, seq, seq.token_ids)
+    decoded = torch.cat([forward_all(runner, alone, [t]).logits for t in block])
+    assert torch.equal(decoded, forward_all(runner, together, block).logits)
+
+
+def test_the_loop_steps_aside_for_prefill_and_where_it_does_not_serve(head_dim_64, monkeypatch):
+    model = _target(head_dim_64["llama"], torch.float32)
+    runner = new_runner(model)
+    seq = new_seq(list(range(3, 3 + MAX_POSITIONED_TOKENS + 1)))
+    calls = []
+    monkeypatch.setattr(LayerLoop, "run", lambda *a: calls.append(a))
+    forward_all(runner, seq, seq.token_ids)  # a prefill chunk: layer by layer
+    assert calls == []
+    assert load_target(head_dim_64["qwen3"], torch.float32).layer_loop is None  # q/k norms
+    monkeypatch.setenv("DLITE_LAYER_LOOP", "0")
+    assert load_target(head_dim_64["llama"], torch.float32).layer_loop is None
