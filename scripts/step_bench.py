@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_attention_bench import time_layer_call  # noqa: E402
 
+from dlite_ray.bench.machine import memory_bandwidth_gbs  # noqa: E402
 from dlite_ray.engine.model_runner import ModelRunner, RowInput  # noqa: E402
 from dlite_ray.engine.sequence import SamplingParams, Sequence  # noqa: E402
 from dlite_ray.runtime import fused_ops  # noqa: E402
@@ -45,21 +46,13 @@ def load(way: str, dtype: torch.dtype):
     return model
 
 
-def read_bandwidth() -> float:
-    """Bytes a second a sum over 512 MB reads (more than any cache holds)."""
-    big = torch.ones(256 * 2**20, dtype=torch.bfloat16)
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        big.sum()
-        times.append(time.perf_counter() - start)
-    return big.numel() * 2 / statistics.median(times[2:])
-
-
 def weight_bytes(model) -> int:
-    """What a step reads of the weights: every linear (the LM head included), the norms."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name) + (
-        0 if model.cfg.tie_word_embeddings else model.lm_head.weight.numel() * model.lm_head.weight.element_size())
+    """What a step reads of the weights: every linear and norm, and the LM head (the
+    embedding itself, where they are tied); not the embedding's other rows."""
+    head = model.lm_head.weight
+    body = sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if not name.startswith(("embed_tokens.", "lm_head.")))
+    return body + head.numel() * head.element_size()
 
 
 def prefilled(runner: ModelRunner, context: int) -> Sequence:
@@ -89,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     models = {way: load(way, dtype) for way in WAYS}
-    bandwidth = read_bandwidth()
+    bandwidth = memory_bandwidth_gbs() * 1e9
     weights_ms = weight_bytes(models["row+loop"]) / bandwidth * 1e3
     cfg = models["row+loop"].cfg
     print(f"{args.dtype}, {torch.get_num_threads()} threads; weights {weight_bytes(models['row+loop']) / 1e6:.0f} MB, "

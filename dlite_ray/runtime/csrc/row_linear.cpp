@@ -11,7 +11,7 @@
 // costs about one read of its weight. The weight is packed at load into panels of 64 output
 // columns, each one sequential stream ([K][64] floats, or [K / 2][64] bf16 pairs for the
 // pair dot product), so the hardware prefetcher keeps the memory bus busy; threads take
-// whole panels; a panel is swept once per tile of up to four rows, from cache after the
+// whole panels; a panel is swept once per tile of up to six rows, from cache after the
 // first.
 #include <torch/extension.h>
 
@@ -36,7 +36,7 @@
 namespace {
 
 constexpr int64_t kPanel = 64;  // output columns of a packed panel: four vectors of 16
-constexpr int kTile = 4;        // rows swept together over a panel (16 accumulators)
+constexpr int kTile = 6;        // rows swept together over a panel (24 accumulators)
 
 #ifdef DLITE_LINEAR_FLOAT
 
@@ -90,15 +90,30 @@ void panel_bf16(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* 
 
 // The sums of `rows` (1 .. kTile) rows with one panel: one instantiation per row count, each
 // row's arithmetic the same in all of them.
-template <typename T, typename Panel1, typename Panel2, typename Panel3, typename Panel4>
-void tile(int rows, const T* x, int64_t k, const T* w, float* out, Panel1 p1, Panel2 p2, Panel3 p3, Panel4 p4) {
+template <typename T, template <int> class Panel>
+void sweep_rows(const T* x, int64_t k, const T* w, float* sums, int rows) {
   switch (rows) {
-    case 1: return p1(x, k, w, out);
-    case 2: return p2(x, k, w, out);
-    case 3: return p3(x, k, w, out);
-    default: return p4(x, k, w, out);
+    case 1: return Panel<1>::run(x, k, w, sums);
+    case 2: return Panel<2>::run(x, k, w, sums);
+    case 3: return Panel<3>::run(x, k, w, sums);
+    case 4: return Panel<4>::run(x, k, w, sums);
+    case 5: return Panel<5>::run(x, k, w, sums);
+    default: return Panel<6>::run(x, k, w, sums);
   }
 }
+
+#ifdef DLITE_LINEAR_FLOAT
+template <int R>
+struct PanelF32 {
+  static void run(const float* x, int64_t k, const float* w, float* out) { panel_f32<R>(x, k, w, out); }
+};
+#endif
+#ifdef DLITE_LINEAR_BF16
+template <int R>
+struct PanelBf16 {
+  static void run(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) { panel_bf16<R>(x, k, w, out); }
+};
+#endif
 
 template <typename T>
 void sweep_panel(const T* x, int64_t k, const T* w, float* sums, int rows);
@@ -106,13 +121,13 @@ void sweep_panel(const T* x, int64_t k, const T* w, float* sums, int rows);
 #ifdef DLITE_LINEAR_FLOAT
 template <>
 void sweep_panel<float>(const float* x, int64_t k, const float* w, float* sums, int rows) {
-  tile(rows, x, k, w, sums, panel_f32<1>, panel_f32<2>, panel_f32<3>, panel_f32<4>);
+  sweep_rows<float, PanelF32>(x, k, w, sums, rows);
 }
 #endif
 #ifdef DLITE_LINEAR_BF16
 template <>
 void sweep_panel<at::BFloat16>(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* sums, int rows) {
-  tile(rows, x, k, w, sums, panel_bf16<1>, panel_bf16<2>, panel_bf16<3>, panel_bf16<4>);
+  sweep_rows<at::BFloat16, PanelBf16>(x, k, w, sums, rows);
 }
 #endif
 
