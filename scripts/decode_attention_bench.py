@@ -9,8 +9,8 @@ repeats, after warm-up; with --baseline, the kernel built from another version's
 timed alternately with this one in the same process (fairer on a busy machine):
 
     .venv/bin/python scripts/decode_attention_bench.py --threads 1
-    mkdir -p /tmp/base && for f in fused_ops decode_attention; do
-        git show REV:dlite_ray/runtime/csrc/$f.cpp > /tmp/base/$f.cpp; done
+    mkdir -p /tmp/base && for f in $(git ls-tree --name-only REV dlite_ray/runtime/csrc/); do
+        git show REV:$f > /tmp/base/$(basename $f); done
     .venv/bin/python scripts/decode_attention_bench.py --threads 1 --baseline /tmp/base
 """
 
@@ -59,10 +59,10 @@ def time_layer_call(attend: Attend, rows: int, positions: int, dtype: torch.dtyp
 
 
 def baseline_kernel(sources: Path) -> Attend:
-    """decode_attention built from another version's fused_ops.cpp and decode_attention.cpp."""
+    """decode_attention built from another version's csrc files (every .cpp in the folder)."""
     from torch.utils.cpp_extension import load
 
-    files = [str(sources / f"{name}.cpp") for name in ("fused_ops", "decode_attention")]
+    files = sorted(str(path) for path in sources.glob("*.cpp"))
     return load("dlite_decode_baseline", files, extra_cflags=fused_ops.CFLAGS).decode_attention
 
 

@@ -7,7 +7,7 @@ group in one call; `csrc/decode_attention.cpp` attends a step's few new rows ove
 cache (float32 or bf16, AVX-512); `csrc/row_linear.cpp` computes the frozen linears
 (`frozen_linear.RowLinear`); `csrc/decoder_layers.cpp` runs a decode or verify forward's
 layers in one call (`layer_loop.py`). They are compiled by torch's extension loader (ninja and the
-system C++ compiler, ~30 s once per machine, cached under ~/.cache/torch_extensions) when
+system C++ compiler, ~60 s once per machine, cached under ~/.cache/torch_extensions) when
 a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
 run as eager PyTorch calls and attention through the CPU flash kernel.
 
@@ -45,7 +45,7 @@ def kernels() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load
 
-        log.info("loading the fused CPU kernels (compiled once per machine, ~30 s)")
+        log.info("loading the fused CPU kernels (compiled once per machine, ~60 s)")
         return load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES], extra_cflags=CFLAGS)
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
         log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)
