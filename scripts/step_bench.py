@@ -1,7 +1,8 @@
 """Times one target forward of the default model on CPU, a decode step (1 new row) and a
 verify step (8 rows) at several context lengths, three ways side by side (interleaved
 repeats, medians), and splits the default way's step into the weights' read time at this
-machine's measured bandwidth, attention, and the rest:
+machine's measured bandwidth, attention, and the rest; and times prefills (the three ways,
+and the default way with its chunks attended by the CPU flash kernel or by our decode kernel):
 
 - `onednn`: the linears through oneDNN's packed calls, the layers one by one from Python
   (what the runtime did before csrc/row_linear.cpp);
@@ -90,6 +91,7 @@ def main() -> None:
     print("| context | rows | " + " | ".join(f"{w} ms" for w in WAYS) + " | weights ms | attention ms | rest ms |")
     print("|---|---|" + "---|" * (len(WAYS) + 3))
     prefill_ms: dict[int, dict[str, float]] = {}
+    prefill_attention: dict[int, dict[str, float]] = {}
     for context in args.contexts:
         runners = {way: ModelRunner(m, (), context + 64, 16) for way, m in models.items()}
         seqs, prefill_ms[context] = {}, {}
@@ -97,6 +99,8 @@ def main() -> None:
             start = time.perf_counter()
             seqs[way] = prefilled(runner, context)
             prefill_ms[context][way] = (time.perf_counter() - start) * 1e3
+        if context >= 1024:
+            prefill_attention[context] = compare_prefill_attention(models["row+loop"], context, args.repeats)
         for rows in (1, 8):
             times: dict[str, list[float]] = {way: [] for way in WAYS}
             for _ in range(args.repeats):
@@ -114,6 +118,26 @@ def main() -> None:
     print("|---|" + "---|" * len(WAYS))
     for context, by_way in list(prefill_ms.items())[1:]:
         print(f"| {context} | " + " | ".join(f"{by_way[w]:.0f}" for w in WAYS) + " |")
+    print("\nPrefill of the default way, its chunks attended by the CPU flash kernel or by our decode kernel"
+          f" (medians of {args.repeats} alternating runs):\n")
+    print("| context | flash ms | ours ms |\n|---|---|---|")
+    for context, by_way in prefill_attention.items():
+        print(f"| {context} | {by_way['flash']:.0f} | {by_way['ours']:.0f} |")
+
+
+def compare_prefill_attention(model, context: int, repeats: int) -> dict[str, float]:
+    """Median ms of a prefill of `context` tokens, prefill chunks attended by the CPU flash
+    kernel and by our decode kernel (`fused_ops.attends_prefill_rows`), alternating."""
+    times: dict[str, list[float]] = {"flash": [], "ours": []}
+    for _ in range(repeats):
+        for way in times:
+            runner = ModelRunner(model, (), context + 64, 16)
+            with mock.patch.object(fused_ops, "attends_prefill_rows",
+                                   fused_ops.attends_prefill_rows if way == "ours" else lambda q, ctx: False):
+                start = time.perf_counter()
+                prefilled(runner, context)
+                times[way].append((time.perf_counter() - start) * 1e3)
+    return {way: statistics.median(t) for way, t in times.items()}
 
 
 if __name__ == "__main__":

@@ -133,6 +133,22 @@ def attends_decode_rows(q: torch.Tensor) -> bool:
     return _fused(q) is not None and decode_kernel_serves(q.shape[-1], q.dtype)
 
 
+# What one `decode_attention` call may hold in per-chunk partial results (a row of Dh floats
+# and its softmax state for each query row, KV head's chunk of 256 positions, ~(Dh + 16) x 4
+# bytes): SmolLM2's 512-token prefill chunk at 8K positions holds 47 MB.
+PREFILL_PARTIALS_BYTES = 64 << 20
+
+
+def attends_prefill_rows(q: torch.Tensor, ctx_len: int) -> bool:
+    """Whether `decode_attention` also attends a prefill chunk q [T, Hq, Dh] whose last row is
+    at position ctx_len - 1: where it serves the rows, and while its partial results stay
+    under PREFILL_PARTIALS_BYTES; else the CPU flash kernel does. In bf16 it took a 512-token
+    chunk's layer at 4K positions in 27 against 34 ms, a first chunk in 1.9 against 4.3."""
+    rows, heads, head_dim = q.shape
+    partials = heads * rows * -(-ctx_len // 256) * (head_dim + 16) * 4
+    return partials <= PREFILL_PARTIALS_BYTES and attends_decode_rows(q)
+
+
 def decode_kernel_serves(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether CPU decode and verify rows of this head dim and cache dtype go through our
     kernel: a head dim of 64 or 128 on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16).

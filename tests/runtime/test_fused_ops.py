@@ -183,7 +183,8 @@ def _causal_reference(q, k_cache, v_cache, slots, first):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize(("first", "rows"), [(0, 1), (5, 3), (15, 2), (255, 2), (300, 8), (1020, 16), (4090, 8)])
+@pytest.mark.parametrize(("first", "rows"), [(0, 1), (5, 3), (15, 2), (255, 2), (300, 8), (1020, 16), (4090, 8),
+                                             (0, 80), (700, 100)])  # the last two: prefill chunks
 def test_decode_attention_is_causal_attention(kernels, decode_case, first, rows):
     dtype, head_dim = decode_case
     q, k_cache, v_cache, slots = _decode_inputs(rows, dtype, head_dim)
@@ -222,6 +223,14 @@ def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(kernels
             assert torch.equal(attend(q, k_cache, v_cache, slots, first), full)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_prefill_chunks_attend_through_our_kernel_while_its_partials_stay_bounded(kernels, decode_case):
+    dtype, head_dim = decode_case
+    chunk = torch.zeros(512, HQ, head_dim, dtype=dtype)
+    with torch.inference_mode():
+        assert fused_ops.attends_prefill_rows(chunk, 4096)
+        assert not fused_ops.attends_prefill_rows(chunk, 256 * 1024)  # gigabytes of partials: the flash kernel
 
 
 def test_decode_attention_rejects_slots_outside_the_cache(kernels, decode_case):

@@ -88,3 +88,16 @@ def test_the_loop_steps_aside_for_prefill_and_where_it_does_not_serve(head_dim_6
     assert load_target(head_dim_64["qwen3"], torch.float32).layer_loop is None  # q/k norms
     monkeypatch.setenv("DLITE_LAYER_LOOP", "0")
     assert load_target(head_dim_64["llama"], torch.float32).layer_loop is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prompt_prefilled_in_one_chunk_equals_it_decoded_token_by_token(head_dim_64, dtype):
+    """Where our kernels serve every operation (prefill chunks attend through the decode kernel
+    too), a row's bits do not depend on how the prompt was cut: one chunk, or one token a step."""
+    model = _target(head_dim_64["llama"], dtype)
+    runner = new_runner(model)
+    prompt = list(range(3, 3 + 3 * MAX_POSITIONED_TOKENS))  # a chunk too long for the position-exact way
+    whole, stepwise = new_seq(prompt), new_seq(prompt)
+    prefilled = forward_all(runner, whole, prompt).logits
+    decoded = torch.cat([forward_all(runner, stepwise, [t]).logits for t in prompt])
+    assert torch.equal(prefilled, decoded)
