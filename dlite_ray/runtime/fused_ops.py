@@ -142,8 +142,8 @@ PREFILL_PARTIALS_BYTES = 64 << 20
 def attends_prefill_rows(q: torch.Tensor, ctx_len: int) -> bool:
     """Whether `decode_attention` also attends a prefill chunk q [T, Hq, Dh] whose last row is
     at position ctx_len - 1: where it serves the rows, and while its partial results stay
-    under PREFILL_PARTIALS_BYTES; else the CPU flash kernel does. In bf16 it took a 512-token
-    chunk's layer at 4K positions in 27 against 34 ms, a first chunk in 1.9 against 4.3."""
+    under PREFILL_PARTIALS_BYTES; else the CPU flash kernel does (which took a bf16 SmolLM2
+    prefill of 4K tokens 8.4 s, ours 6.3: scripts/step_bench.py)."""
     rows, heads, head_dim = q.shape
     partials = heads * rows * -(-ctx_len // 256) * (head_dim + 16) * 4
     return partials <= PREFILL_PARTIALS_BYTES and attends_decode_rows(q)

@@ -57,8 +57,8 @@ class SdpaBackend:
     call over GQA-folded rows. Where our decode kernel serves the rows and its per-call
     partial results stay bounded (`fused_ops.attends_prefill_rows`), it attends prefill
     chunks too, reading the keys through their slots: a bf16 SmolLM2 prefill of 4K tokens
-    took 6.2 s against 8.4 s, and each row then has its decoded bits however the prompt was
-    cut into chunks (tests/runtime/test_layer_loop.py).
+    took 6.3 s against 8.4 s (scripts/step_bench.py), and each row then has its decoded
+    bits however the prompt was cut into chunks (tests/runtime/test_layer_loop.py).
     """
 
     name = "sdpa"
