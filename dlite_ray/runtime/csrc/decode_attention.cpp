@@ -453,30 +453,6 @@ torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k_cac
 
 #endif  // DLITE_DECODE_FLOAT
 
-// The cache dtypes this build attends (none without AVX-512).
-std::vector<std::pair<at::ScalarType, std::string>> built_dtypes() {
-  std::vector<std::pair<at::ScalarType, std::string>> built;
-#ifdef DLITE_DECODE_FLOAT
-  built.emplace_back(at::kFloat, "float32");
-#endif
-#ifdef DLITE_DECODE_BF16
-  built.emplace_back(at::kBFloat16, "bfloat16");
-#endif
-  return built;
-}
-
-std::vector<std::string> dtypes() {
-  std::vector<std::string> names;
-  for (const auto& [dtype, name] : built_dtypes()) names.push_back(name);
-  return names;
-}
-
-bool attends(at::ScalarType dtype) {
-  for (const auto& [built, name] : built_dtypes())
-    if (built == dtype) return true;
-  return false;
-}
-
 }  // namespace
 
 namespace dlite {
@@ -487,7 +463,7 @@ namespace dlite {
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const torch::Tensor& slots, int64_t first) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(attends(dtype), "decode_attention: this build does not attend ", dtype);
+  TORCH_CHECK(avx512_computes(dtype), "decode_attention: this build does not attend ", dtype);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
               "decode_attention: q must be contiguous CPU [T, Hq, 64 or 128]");
   TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu(),
@@ -509,13 +485,13 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 #ifdef DLITE_DECODE_FLOAT
   return attend_head_dim<F32Cache>(q, k_cache, v_cache, slot, first);
 #else
-  TORCH_INTERNAL_ASSERT(false, "unreachable: `attends` refused every dtype");
+  TORCH_INTERNAL_ASSERT(false, "unreachable: `avx512_computes` refused every dtype");
 #endif
 }
 
 }  // namespace dlite
 
 void register_decode_attention(pybind11::module& m) {
-  m.def("decode_attention_dtypes", &dtypes);
+  m.def("decode_attention_dtypes", &dlite::avx512_dtype_names);
   m.def("decode_attention", &dlite::decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -6,9 +6,37 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 namespace dlite {
+
+// The dtypes the AVX-512 kernels (decode attention, linears) compute in this build: float32
+// with AVX-512 F, bf16 with AVX-512 BF16 as well; none without AVX-512.
+inline std::vector<std::pair<at::ScalarType, std::string>> avx512_dtypes() {
+  std::vector<std::pair<at::ScalarType, std::string>> built;
+#if defined(__AVX512F__)
+  built.emplace_back(at::kFloat, "float32");
+#if defined(__AVX512BF16__)
+  built.emplace_back(at::kBFloat16, "bfloat16");
+#endif
+#endif
+  return built;
+}
+
+inline std::vector<std::string> avx512_dtype_names() {
+  std::vector<std::string> names;
+  for (const auto& [dtype, name] : avx512_dtypes()) names.push_back(name);
+  return names;
+}
+
+inline bool avx512_computes(at::ScalarType dtype) {
+  for (const auto& [built, name] : avx512_dtypes())
+    if (built == dtype) return true;
+  return false;
+}
 
 // fused_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);

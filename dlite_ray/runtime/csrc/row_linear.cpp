@@ -154,29 +154,6 @@ void linear(const T* x, int64_t m, int64_t k, const T* packed, const T* bias, in
   });
 }
 
-std::vector<std::pair<at::ScalarType, std::string>> built_dtypes() {
-  std::vector<std::pair<at::ScalarType, std::string>> built;
-#ifdef DLITE_LINEAR_FLOAT
-  built.emplace_back(at::kFloat, "float32");
-#endif
-#ifdef DLITE_LINEAR_BF16
-  built.emplace_back(at::kBFloat16, "bfloat16");
-#endif
-  return built;
-}
-
-std::vector<std::string> dtypes() {
-  std::vector<std::string> names;
-  for (const auto& [dtype, name] : built_dtypes()) names.push_back(name);
-  return names;
-}
-
-bool serves(at::ScalarType dtype) {
-  for (const auto& [built, name] : built_dtypes())
-    if (built == dtype) return true;
-  return false;
-}
-
 }  // namespace
 
 namespace dlite {
@@ -186,7 +163,7 @@ namespace dlite {
 torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          int64_t n) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(serves(dtype), "row_linear: this build does not compute ", dtype);
+  TORCH_CHECK(avx512_computes(dtype), "row_linear: this build does not compute ", dtype);
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "row_linear: x must be contiguous CPU [M, K]");
   const int64_t m = x.size(0), k = x.size(1), panels = (n + kPanel - 1) / kPanel;
   TORCH_CHECK(packed.device().is_cpu() && packed.is_contiguous() && packed.scalar_type() == dtype &&
@@ -209,13 +186,13 @@ torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, co
                 out.data_ptr<float>());
   return out;
 #else
-  TORCH_INTERNAL_ASSERT(false, "unreachable: `serves` refused every dtype");
+  TORCH_INTERNAL_ASSERT(false, "unreachable: `avx512_computes` refused every dtype");
 #endif
 }
 
 }  // namespace dlite
 
 void register_row_linear(pybind11::module& m) {
-  m.def("row_linear_dtypes", &dtypes);
+  m.def("row_linear_dtypes", &dlite::avx512_dtype_names);
   m.def("row_linear", &dlite::row_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
