@@ -4,6 +4,8 @@ it steps aside where it does not serve."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 
 @pytest.fixture(scope="module")
-def head_dim_64(tmp_path_factory) -> dict[str, object]:
+def head_dim_64(tmp_path_factory) -> dict[str, Path]:
     """Tiny checkpoints whose head dim our decode kernel attends (qwen2: q/k/v biases)."""
     root = tmp_path_factory.mktemp("head64")
     return {arch: make_tiny_checkpoint(root / arch, arch, head_dim=64) for arch in ("llama", "qwen2", "qwen3")}
