@@ -92,7 +92,7 @@ def main() -> None:
     with torch.inference_mode():
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
-            if dtype not in fused_ops.decode_attention_dtypes():
+            if dtype not in fused_ops.kernel_dtypes():
                 print(f"{dtype_name}: not built on this CPU")
                 continue
             for head_dim, positions in itertools.product(args.head_dims, args.positions):

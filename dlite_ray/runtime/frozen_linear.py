@@ -125,7 +125,12 @@ def freeze_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fro
         return RowLinear(weight, bias)
     if weight.is_cuda:
         prefer_cublaslt()
-    kind = PackedLinear if can_pack(weight) else FrozenLinear
+    return probed_linear(PackedLinear if can_pack(weight) else FrozenLinear, weight, bias)
+
+
+def probed_linear(kind: type[FrozenLinear], weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
+    """A linear of a kernel that is not row-exact by construction, padded and split as the
+    probes of its shape measured it needs (`fewest_exact_rows`, `large_calls_agree`)."""
     out_features, in_features = weight.shape
     probe_key = (kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
     return kind(weight, bias, fewest_exact_rows(*probe_key), split_large=not large_calls_agree(*probe_key))

@@ -154,13 +154,14 @@ def decode_kernel_serves(head_dim: int, dtype: torch.dtype) -> bool:
     kernel: a head dim of 64 or 128 on a CPU with AVX-512 (float32) or AVX-512 BF16 (bf16).
     Its rows have the same bits whatever torch's thread count; the CPU flash kernel's
     float32 verify rows do not (tests/runtime/test_default_model.py)."""
-    return head_dim in (64, 128) and kernels() is not None and dtype in decode_attention_dtypes()
+    return head_dim in (64, 128) and dtype in kernel_dtypes()
 
 
 @functools.cache
-def decode_attention_dtypes() -> frozenset[torch.dtype]:
-    """The cache dtypes the build's decode kernel attends (asked once, not in every layer)."""
-    names = kernels().decode_attention_dtypes() if kernels() is not None else []
+def kernel_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes the build's AVX-512 kernels (`decode_attention`, `row_linear`) compute, none
+    without the kernels (asked once, not in every layer)."""
+    names = kernels().kernel_dtypes() if kernels() is not None else []
     return frozenset(getattr(torch, name) for name in names)
 
 
@@ -178,15 +179,9 @@ ROW_LINEAR_PANEL = 64  # output columns per packed panel (csrc/row_linear.cpp)
 def row_linear_serves(weight: torch.Tensor) -> bool:
     """Whether `row_linear` computes a linear of this weight [N, K]: on a CPU with AVX-512
     (float32) or AVX-512 BF16 (bf16, K even)."""
-    if weight.device.type != "cpu" or kernels() is None or weight.dtype not in row_linear_dtypes():
+    if weight.device.type != "cpu" or weight.dtype not in kernel_dtypes():
         return False
     return weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0
-
-
-@functools.cache
-def row_linear_dtypes() -> frozenset[torch.dtype]:
-    names = kernels().row_linear_dtypes() if kernels() is not None else []
-    return frozenset(getattr(torch, name) for name in names)
 
 
 def pack_row_linear(weight: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ packed calls by padding short calls where the kernel was measured to need it."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -24,6 +25,7 @@ from dlite_ray.runtime.frozen_linear import (
     freeze_linear,
     freeze_linears,
     large_calls_agree,
+    probed_linear,
 )
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -33,13 +35,8 @@ needs_row_linear = pytest.mark.skipif(not all(fused_ops.row_linear_serves(torch.
                                       reason="our linear kernel needs AVX-512 (float32) and AVX-512 BF16 (bf16)")
 
 
-def packed_onednn(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-    """What freeze_linear makes where our kernel does not serve: oneDNN, probed."""
-    key = (PackedLinear, *weight.shape, bias is not None, weight.dtype, weight.device)
-    return PackedLinear(weight, bias, fewest_exact_rows(*key), split_large=not large_calls_agree(*key))
-
-
-FREEZERS = {"freeze_linear": freeze_linear, "onednn": packed_onednn}
+# What freeze_linear makes on this machine, and oneDNN's probed linears (where our kernel does not serve).
+FREEZERS = {"freeze_linear": freeze_linear, "onednn": functools.partial(probed_linear, PackedLinear)}
 
 
 def test_half_precision_weights_are_not_packed():

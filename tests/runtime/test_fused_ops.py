@@ -151,7 +151,7 @@ def test_inference_uses_the_kernels_and_training_does_not(kernels, monkeypatch):
         fused = layer(x, cos, sin, _attend)
     small_ops = {"rms_norm", "add_rms_norm", "rotate_qkv", "silu_mul"}
     linears = {"row_linear"} if fused_ops.row_linear_serves(x) else set()  # our linear kernel, where it serves
-    assert recorder.called - {"row_linear_dtypes"} == small_ops | linears
+    assert recorder.called - {"kernel_dtypes"} == small_ops | linears
     torch.testing.assert_close(fused, trained.detach(), rtol=2e-4, atol=2e-4)
 
 
@@ -161,7 +161,7 @@ DECODE_CASES = [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.float32, 64)
 @pytest.fixture(params=DECODE_CASES, ids=[f"{d}-head_dim{h}" for d, h in DECODE_CASES])
 def decode_case(kernels, request):
     dtype, head_dim = request.param
-    if dtype not in fused_ops.decode_attention_dtypes():
+    if dtype not in fused_ops.kernel_dtypes():
         pytest.skip(f"built without a {dtype} decode kernel (needs AVX-512, and AVX-512 BF16 for bf16)")
     return dtype, head_dim
 
@@ -243,7 +243,7 @@ def test_decode_attention_rejects_slots_outside_the_cache(kernels, decode_case):
 
 
 def test_decode_attention_rejects_other_dtypes_and_head_dims(kernels):
-    if torch.float32 not in fused_ops.decode_attention_dtypes():
+    if torch.float32 not in fused_ops.kernel_dtypes():
         pytest.skip("built without AVX-512: the kernel attends nothing")
     q, k_cache, v_cache, slots = _decode_inputs(2, torch.float32)
     with pytest.raises(RuntimeError, match="dtype and head dim"):

@@ -83,16 +83,12 @@ class SdpaBackend:
         for span in meta.spans:
             n = span.q_len
             rows = q if len(meta.spans) == 1 else q[span.q_start:span.q_start + n]
-            if positioned(span, group):
-                if fused_ops.attends_decode_rows(rows):
-                    first = span.ctx_len - n
-                    outs.append(fused_ops.decode_attention(rows, k_all, v_all, _context_slots(span, q.device), first))
-                else:
-                    outs.append(_attend_positioned(rows, k_all, v_all, span))
-                continue
-            if fused_ops.attends_prefill_rows(rows, span.ctx_len):
+            exact = positioned(span, group)
+            if fused_ops.attends_decode_rows(rows) if exact else fused_ops.attends_prefill_rows(rows, span.ctx_len):
                 first = span.ctx_len - n
                 outs.append(fused_ops.decode_attention(rows, k_all, v_all, _context_slots(span, q.device), first))
+            elif exact:
+                outs.append(_attend_positioned(rows, k_all, v_all, span))
             else:
                 outs.append(_attend_prefill_cpu(rows, *_context_kv(span, k_all, v_all)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

@@ -178,10 +178,6 @@ struct Bf16Cache {
     for (int64_t i = 0; i < D / 32; ++i) acc = _mm512_dpbf16_ps(acc, q.v[i], k.v[i]);
     return acc;
   }
-  static __m512 load16(const uint16_t* x) {  // bf16 -> float is a 16-bit shift
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-  }
 };
 #endif
 
@@ -492,6 +488,5 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 }  // namespace dlite
 
 void register_decode_attention(pybind11::module& m) {
-  m.def("decode_attention_dtypes", &dlite::avx512_dtype_names);
   m.def("decode_attention", &dlite::decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -177,6 +177,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotate_qkv", &dlite::rotate_qkv);
   m.def("silu_mul", &dlite::silu_mul);
   m.def("write_kv", &dlite::write_kv);
+  m.def("kernel_dtypes", &dlite::avx512_dtype_names);  // what decode_attention and row_linear compute
   register_decode_attention(m);
   register_row_linear(m);
   register_decoder_layers(m);

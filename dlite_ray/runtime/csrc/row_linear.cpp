@@ -43,7 +43,7 @@ constexpr int kTile = 6;        // rows swept together over a panel (24 accumula
 // The rows' dot products with one panel, as float32 sums in `out` [R][64].
 // float32 panel [K][64]: acc += x[k] * w[k] for k = 0 .. K - 1.
 template <int R>
-void panel_f32(const float* x, int64_t k, const float* w, float* out) {
+void panel(const float* x, int64_t k, const float* w, float* out) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -66,7 +66,7 @@ void panel_f32(const float* x, int64_t k, const float* w, float* out) {
 
 // bf16 panel [K / 2][64][2]: acc += x[2p] * w[2p] + x[2p + 1] * w[2p + 1] for p = 0 .. K / 2 - 1.
 template <int R>
-void panel_bf16(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) {
+void panel(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) {
   const int64_t pairs = k / 2;
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
@@ -90,46 +90,18 @@ void panel_bf16(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* 
 
 // The sums of `rows` (1 .. kTile) rows with one panel: one instantiation per row count, each
 // row's arithmetic the same in all of them.
-template <typename T, template <int> class Panel>
-void sweep_rows(const T* x, int64_t k, const T* w, float* sums, int rows) {
+template <typename T>
+void sweep_panel(const T* x, int64_t k, const T* w, float* sums, int rows) {
+  static_assert(kTile == 6, "one case per row count of a tile");
   switch (rows) {
-    case 1: return Panel<1>::run(x, k, w, sums);
-    case 2: return Panel<2>::run(x, k, w, sums);
-    case 3: return Panel<3>::run(x, k, w, sums);
-    case 4: return Panel<4>::run(x, k, w, sums);
-    case 5: return Panel<5>::run(x, k, w, sums);
-    default: return Panel<6>::run(x, k, w, sums);
+    case 1: return panel<1>(x, k, w, sums);
+    case 2: return panel<2>(x, k, w, sums);
+    case 3: return panel<3>(x, k, w, sums);
+    case 4: return panel<4>(x, k, w, sums);
+    case 5: return panel<5>(x, k, w, sums);
+    default: return panel<6>(x, k, w, sums);
   }
 }
-
-#ifdef DLITE_LINEAR_FLOAT
-template <int R>
-struct PanelF32 {
-  static void run(const float* x, int64_t k, const float* w, float* out) { panel_f32<R>(x, k, w, out); }
-};
-#endif
-#ifdef DLITE_LINEAR_BF16
-template <int R>
-struct PanelBf16 {
-  static void run(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) { panel_bf16<R>(x, k, w, out); }
-};
-#endif
-
-template <typename T>
-void sweep_panel(const T* x, int64_t k, const T* w, float* sums, int rows);
-
-#ifdef DLITE_LINEAR_FLOAT
-template <>
-void sweep_panel<float>(const float* x, int64_t k, const float* w, float* sums, int rows) {
-  sweep_rows<float, PanelF32>(x, k, w, sums, rows);
-}
-#endif
-#ifdef DLITE_LINEAR_BF16
-template <>
-void sweep_panel<at::BFloat16>(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* sums, int rows) {
-  sweep_rows<at::BFloat16, PanelBf16>(x, k, w, sums, rows);
-}
-#endif
 
 // out [M, N] = x [M, K] times the packed weight [N / 64 panels] (+ bias [N], float32 add),
 // each sum rounded once to T.
@@ -193,6 +165,5 @@ torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, co
 }  // namespace dlite
 
 void register_row_linear(pybind11::module& m) {
-  m.def("row_linear_dtypes", &dlite::avx512_dtype_names);
   m.def("row_linear", &dlite::row_linear, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
