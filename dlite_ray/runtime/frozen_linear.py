@@ -20,10 +20,9 @@ tests/runtime/test_frozen_linear.py checks this.
 
 Where our own kernel serves (a CPU with AVX-512 for float32, AVX-512 BF16 for bf16; the
 fused kernels built), none of that is needed: `RowLinear` computes each row in a fixed
-order whatever the call (csrc/row_linear.cpp), and reads the weights at close to the memory's
-bandwidth for a handful of rows, where oneDNN's small calls reached about half of it (a bf16
-SmolLM2 decode step on the EPYC: 21.0 ms through oneDNN, 10.8 through ours, 8.4 with the layer
-loop; scripts/step_bench.py, docs/bench/cpu-step.md). The probed oneDNN path stays for other
+order whatever the call (csrc/row_linear.cpp), and reads the weights faster for a handful of
+rows (a bf16 SmolLM2 decode step on the EPYC: 21.0 ms through oneDNN, 10.8 through ours, 8.4
+with the layer loop; scripts/step_bench.py, docs/bench/cpu-step.md). The probed oneDNN path stays for other
 CPUs and half precision.
 """
 
