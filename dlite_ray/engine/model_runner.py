@@ -15,20 +15,28 @@ import torch
 from dlite_ray.engine.block_manager import BlockManager
 from dlite_ray.engine.sequence import InvalidRequest, Sequence
 from dlite_ray.runtime.attention import FLASH_ATTN_PAGE_MULTIPLE, build_attention_metadata, make_backend
+from dlite_ray.runtime.attention.metadata import tree_positions
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.target_model import ForwardBatch, TargetModel
 
 
 @dataclass(slots=True)
 class RowInput:
-    """New tokens of one sequence, written at positions seq.num_computed onwards."""
+    """New tokens of one sequence, written at positions seq.num_computed onwards.
+
+    With `parents`, the tokens are a tree of candidates (tree verification): token j follows
+    token parents[j] and sits at the position of its depth, while its KV is stored at
+    position seq.num_computed + j until `keep_branch` moves the accepted branch into place
+    (attention/metadata.py, `build_attention_metadata`)."""
 
     seq: Sequence
     tokens: list[int]
     num_outputs: int = 1  # logits/taps at the last this-many new tokens (len(tokens) for a verify block)
+    parents: list[int] | None = None  # [-1, parent of token 1, ...]; None: a chain
 
     def __post_init__(self) -> None:
         assert 1 <= self.num_outputs <= len(self.tokens), "outputs must lie among the new tokens"
+        assert self.parents is None or len(self.parents) == len(self.tokens), "one parent per tree token"
 
 
 @dataclass(slots=True)
@@ -75,19 +83,39 @@ class ModelRunner:
         taps = out.taps.split(counts) if out.taps is not None else [None] * len(rows)
         return [RowOutput(lg, tp) for lg, tp in zip(logits, taps)]
 
+    @property
+    def verifies_trees(self) -> bool:
+        """Whether rows may be trees: the backend must read keys through slots (flash-attn's
+        paged kernel reads whole block tables)."""
+        return not self.backend.block_major
+
+    def keep_branch(self, seq: Sequence, branch: list[int]) -> None:
+        """After a tree row: its tokens `branch` (indices into the row, the first token first,
+        each the parent of the next) become positions seq.num_computed onwards, as if they had
+        been verified as a chain. Moves the KV of those stored elsewhere."""
+        start = seq.num_computed
+        moved = [(start + node, start + depth) for depth, node in enumerate(branch) if node != depth]
+        if moved:
+            table, bs = seq.block_table, self.block_size
+            src, dst = ([table[p // bs] * bs + p % bs for p in ps] for ps in zip(*moved))
+            self.cache.move_slots(src, dst)
+
     def _build_batch(self, rows: list[RowInput]) -> ForwardBatch:
         ids, positions, wanted = [], [], []
         q_lens, ctx_lens = [], []
+        if any(r.parents is not None for r in rows) and not self.verifies_trees:
+            raise ValueError(f"the {self.backend.name} backend does not verify trees")
         for row in rows:
             start, n = row.seq.num_computed, len(row.tokens)
             first = len(ids)
             ids += row.tokens
-            positions += range(start, start + n)
+            depths = range(n) if row.parents is None else tree_positions(row.parents)
+            positions += (start + d for d in depths)
             wanted += range(first + n - row.num_outputs, first + n)
             q_lens.append(n)
             ctx_lens.append(start + n)
         meta = build_attention_metadata(q_lens, ctx_lens, [r.seq.block_table for r in rows],
-                                        self.cache.block_size, self.device)
+                                        self.cache.block_size, self.device, [r.parents for r in rows])
         wanted_t = torch.tensor(wanted, dtype=torch.long, device=self.device)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),

@@ -60,6 +60,16 @@ class PagedKVCache:
             self.k[:, :, dst * bs:(dst + 1) * bs].copy_(self.k[:, :, src * bs:(src + 1) * bs])
             self.v[:, :, dst * bs:(dst + 1) * bs].copy_(self.v[:, :, src * bs:(src + 1) * bs])
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """K/V of slots `src` into slots `dst` in every layer (a tree's accepted branch into
+        place); all are read before any is written."""
+        if self.block_major:
+            raise NotImplementedError("slots are moved in the head-major layout only")
+        s = torch.tensor(src, dtype=torch.long, device=self.k.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.k.device)
+        self.k[:, :, d] = self.k[:, :, s]
+        self.v[:, :, d] = self.v[:, :, s]
+
     def memory_bytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 

@@ -70,23 +70,85 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(
-    q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+    q_lens: list[int], ctx_lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device,
+    parents: list[list[int] | None] | None = None,
 ) -> AttentionMetadata:
-    """New tokens of sequence i sit at positions [ctx_lens[i] - q_lens[i], ctx_lens[i])."""
+    """New tokens of sequence i sit at positions [ctx_lens[i] - q_lens[i], ctx_lens[i]).
+
+    parents[i], where given, makes sequence i's new tokens a tree (tree verification): token
+    j follows token parents[j] (< j) instead of token j - 1, and the first follows the
+    context (parents[i][0] = -1). Token j is still stored at position ctx_lens[i] - q_lens[i] + j
+    of the block table, but attends like the last token of its branch: its ancestors' keys
+    after the context's, at the position of its depth (`tree_positions`). The tree becomes one
+    span per chain (a run of tokens each following the one before), whose keys are listed
+    slot by slot, so every backend that reads keys through slots attends it unchanged, and
+    each token gets the arithmetic of the same branch decoded as a plain sequence.
+    """
     slot_mapping: list[int] = []
     spans: list[SequenceSpan] = []
     q_start = 0
-    for q_len, ctx_len, table in zip(q_lens, ctx_lens, block_tables, strict=True):
+    parents = parents or [None] * len(q_lens)
+    for q_len, ctx_len, table, tree in zip(q_lens, ctx_lens, block_tables, parents, strict=True):
         if q_len <= 0 or ctx_len < q_len:
             raise ValueError(f"bad span: q_len={q_len}, ctx_len={ctx_len}")
         if len(table) * block_size < ctx_len:
             raise ValueError(f"block table of {len(table)} blocks cannot hold {ctx_len} tokens")
         first = ctx_len - q_len
-        slot_mapping += [table[p // block_size] * block_size + p % block_size for p in range(first, ctx_len)]
-        spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_runs(table, ctx_len, block_size)))
+        new_slots = [table[p // block_size] * block_size + p % block_size for p in range(first, ctx_len)]
+        slot_mapping += new_slots
+        if tree is None:
+            spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_runs(table, ctx_len, block_size)))
+        else:
+            context = [s for run in _context_runs(table, first, block_size) for s in range(run.start, run.stop)]
+            spans += _chain_spans(tree, q_start, context, new_slots, device)
         q_start += q_len
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), spans, block_tables,
                              block_size)
+
+
+def tree_positions(parents: list[int]) -> list[int]:
+    """Each tree token's depth below the context (the first token's is 0); checks the tree."""
+    if not parents or parents[0] != -1 or any(not 0 <= p < j for j, p in enumerate(parents) if j):
+        raise ValueError(f"a tree's first token follows the context and every other an earlier token: {parents}")
+    depths = [0] * len(parents)
+    for j in range(1, len(parents)):
+        depths[j] = depths[parents[j]] + 1
+    return depths
+
+
+def _chain_spans(parents: list[int], q_start: int, context: list[int], new_slots: list[int],
+                 device: torch.device) -> list[SequenceSpan]:
+    """A tree's spans, one per chain: its keys are the context's, its first token's
+    ancestors' and its own, in order of depth."""
+    depths = tree_positions(parents)
+    spans = []
+    j = 0
+    while j < len(parents):
+        end = j + 1
+        while end < len(parents) and parents[end] == end - 1:
+            end += 1
+        ancestors, node = [], parents[j]
+        while node >= 0:
+            ancestors.append(new_slots[node])
+            node = parents[node]
+        slots = context + ancestors[::-1] + new_slots[j:end]
+        ctx_len = len(context) + depths[end - 1] + 1
+        assert len(slots) == ctx_len
+        spans.append(SequenceSpan(q_start + j, end - j, ctx_len, _slot_runs(slots),
+                                  torch.tensor(slots, dtype=torch.long, device=device)))
+        j = end
+    return spans
+
+
+def _slot_runs(slots: list[int]) -> list[slice]:
+    """A list of slots as runs of consecutive ones."""
+    runs: list[slice] = []
+    for s in slots:
+        if runs and runs[-1].stop == s:
+            runs[-1] = slice(runs[-1].start, s + 1)
+        else:
+            runs.append(slice(s, s + 1))
+    return runs
 
 
 def _context_runs(table: list[int], ctx_len: int, block_size: int) -> list[slice]:
