@@ -50,13 +50,16 @@ class CandidateTree:
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parents))
 
-    def add(self, tokens: list[int], q: torch.Tensor | None = None) -> int:
+    def add(self, tokens: list[int], q: torch.Tensor | None = None, max_new: int | None = None) -> int:
         """Merge a branch after the anchor (its tokens drawn from q's rows where given) into
-        the tree: it follows the nodes it agrees with, then grows its own. -> nodes added."""
+        the tree: it follows the nodes it agrees with, then grows its own, at most max_new
+        of them. -> nodes added."""
         node, added = 0, 0
         for j, token in enumerate(tokens):
             child = self.child(node, token)
             if child is None:
+                if max_new is not None and added >= max_new:
+                    break
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.q.append(q[j] if q is not None else None)

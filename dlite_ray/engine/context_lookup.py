@@ -19,14 +19,18 @@ import weakref
 from dlite_ray.engine.sequence import Sequence
 
 NGRAM_SIZES = (4, 3, 2)  # longest first: a longer match is likelier to continue the same way
+# Other continuations, verified next to a round's main proposal as branches of a tree
+# (candidate_tree.py), may come from shorter matches too: a branch costs a few verify rows.
+ALTERNATIVE_NGRAM_SIZES = (4, 3, 2, 1)
+OCCURRENCES_LOOKED_AT = 16  # per n-gram size, latest first
 
 
 class NgramIndex:
-    """Where each n-gram of a token list last ended with a token after it, updated as the
-    list grows (sequences only ever append)."""
+    """Where each n-gram of a token list ended with a token after it, updated as the list
+    grows (sequences only ever append)."""
 
     def __init__(self) -> None:
-        self._last_end: dict[tuple[int, ...], int] = {}
+        self._ends: dict[tuple[int, ...], list[int]] = {}
         self._length = 0  # length at the last lookup; the n-grams ending before its last token are indexed
 
     def continuation(self, tokens: list[int], max_tokens: int) -> list[int]:
@@ -34,10 +38,25 @@ class NgramIndex:
         longest suffix of `tokens` found (n in NGRAM_SIZES); [] when none occurred."""
         self._index(tokens)
         for n in NGRAM_SIZES:
-            end = self._last_end.get(tuple(tokens[-n:])) if len(tokens) > n else None
-            if end is not None:
-                return tokens[end + 1:end + 1 + max_tokens]
+            ends = self._ends.get(tuple(tokens[-n:])) if len(tokens) > n else None
+            if ends:
+                return tokens[ends[-1] + 1:ends[-1] + 1 + max_tokens]
         return []
+
+    def alternatives(self, tokens: list[int], max_tokens: int, count: int) -> list[list[int]]:
+        """Up to `count` different continuations (max_tokens each) of the suffixes of
+        `tokens`: longest suffix first, then latest occurrence first."""
+        self._index(tokens)
+        found: list[list[int]] = []
+        for n in ALTERNATIVE_NGRAM_SIZES:
+            ends = self._ends.get(tuple(tokens[-n:]), []) if len(tokens) > n else []
+            for end in reversed(ends[-OCCURRENCES_LOOKED_AT:]):
+                following = tokens[end + 1:end + 1 + max_tokens]
+                if following not in found:
+                    found.append(following)
+                    if len(found) == count:
+                        return found
+        return found
 
     def _index(self, tokens: list[int]) -> None:
         # Only n-grams with a token after them are indexed, so the suffix being looked up
@@ -45,9 +64,9 @@ class NgramIndex:
         if len(tokens) < self._length:
             raise ValueError("the token list shrank; an index belongs to one growing sequence")
         for end in range(max(0, self._length - 1), len(tokens) - 1):
-            for n in NGRAM_SIZES:
+            for n in ALTERNATIVE_NGRAM_SIZES:
                 if end + 1 >= n:
-                    self._last_end[tuple(tokens[end + 1 - n:end + 1])] = end
+                    self._ends.setdefault(tuple(tokens[end + 1 - n:end + 1]), []).append(end)
         self._length = len(tokens)
 
 
@@ -65,7 +84,18 @@ class ContextLookup:
         limit = min(limit, self.max_tokens)
         if limit <= 0:
             return []
+        return self._index(seq).continuation(seq.token_ids, limit)
+
+    def alternatives(self, seq: Sequence, limit: int, count: int) -> list[list[int]]:
+        """Up to `count` different continuations of seq's last tokens in its context (at most
+        `limit` tokens each), to verify next to a round's main proposal."""
+        limit = min(limit, self.max_tokens)
+        if limit <= 0 or count <= 0:
+            return []
+        return self._index(seq).alternatives(seq.token_ids, limit, count)
+
+    def _index(self, seq: Sequence) -> NgramIndex:
         index = self._indexes.get(seq)
         if index is None:
             index = self._indexes[seq] = NgramIndex()
-        return index.continuation(seq.token_ids, limit)
+        return index

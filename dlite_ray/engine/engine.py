@@ -75,13 +75,15 @@ class DLiteEngine:
         # earlier replies are copied within the lookup's limit: none where copying is off
         self.reply_cache = (ReplyCache(cfg.reply_cache_tokens, DEFAULT_REPLY_CACHE_NAMESPACES)
                             if cfg.reply_cache_tokens and lookup_tokens else None)
+        tree_tokens = cfg.tree_tokens if lookup_tokens else 0  # branches are copies from the context
         self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, ContextLookup(lookup_tokens),
-                                   self.reply_cache)
+                                   self.reply_cache, tree_tokens)
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_cache)
         reuse = KVReuse(target.fingerprint(), draft.info.fingerprint if draft else "none",
                         resume_boundaries=draft is not None, recompute_pivot=draft is not None and bool(taps))
         boundaries = BoundaryStore(blocks, cfg.boundary_capacity) if cfg.enable_prefix_cache else None
-        self.scheduler = Scheduler(cfg.scheduler, blocks, max(k, lookup_tokens) + 1, boundaries, reuse)
+        lookahead = max(k, lookup_tokens) + 1 + tree_tokens  # a row's anchor, main proposal and branches
+        self.scheduler = Scheduler(cfg.scheduler, blocks, lookahead, boundaries, reuse)
         self._grammar_tok: GrammarTokenizer | None = None
 
     @classmethod

@@ -16,6 +16,7 @@ from dlite_ray.constants import (
     DEFAULT_MAX_KV_TOKENS,
     DEFAULT_NUM_DRAFT_TOKENS,
     DEFAULT_REPLY_CACHE_TOKENS,
+    DEFAULT_TREE_TOKENS,
     KV_BLOCK_SIZE,
 )
 from dlite_ray.engine.draft_transport import DraftTransport
@@ -64,6 +65,8 @@ class EngineConfig:
     context per round (None: 15 with a draft, 0 without, so no draft is plain decoding);
     reply_cache_tokens: tokens of earlier replies kept per namespace and copied where the
     context has no match (engine/reply_cache.py; 0 = off; copies only where lookup_tokens > 0);
+    tree_tokens: tokens of other continuations from the context verified next to a round's
+    main proposal, as a tree (engine/candidate_tree.py; 0 = off; only where lookup_tokens > 0);
     tap_layers / normed_last_tap: target layers each forward returns and whether the last
     one is final-normed (None: the draft's own; none without a draft)."""
 
@@ -77,6 +80,7 @@ class EngineConfig:
     adaptive_draft_length: bool = True
     lookup_tokens: int | None = None
     reply_cache_tokens: int = DEFAULT_REPLY_CACHE_TOKENS
+    tree_tokens: int = DEFAULT_TREE_TOKENS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
     block_size: int = KV_BLOCK_SIZE
     enable_prefix_cache: bool = True
@@ -96,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"max_kv_tokens={self.max_kv_tokens} and block_size={self.block_size} must be >= 1")
         if self.reply_cache_tokens < 0:
             raise ValueError(f"reply_cache_tokens={self.reply_cache_tokens} must be >= 0")
+        if self.tree_tokens < 0:
+            raise ValueError(f"tree_tokens={self.tree_tokens} must be >= 0")
         if self.boundary_capacity < 0:
             raise ValueError(f"boundary_capacity={self.boundary_capacity} must be >= 0")
         if self.tap_layers is not None:

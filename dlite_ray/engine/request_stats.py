@@ -23,6 +23,7 @@ class RequestStats:
     accept_lengths: list[int] = field(default_factory=list)  # A + 1 per speculation round
     copied_rounds: list[bool] = field(default_factory=list)  # per round: tokens copied from the context
     reply_rounds: list[bool] = field(default_factory=list)  # per round: copied from an earlier reply (reply_cache.py)
+    branch_gains: list[int] = field(default_factory=list)  # per round: tokens kept beyond the main proposal (a tree)
     position_accepts: list[int] = field(default_factory=list)  # [k] DLite rounds whose draft k was accepted
     position_trials: list[int] = field(default_factory=list)  # [k] DLite rounds that drafted position k
     prefill_time: float = 0.0
@@ -43,7 +44,7 @@ class RequestStats:
         return cls(num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=seq.num_outputs,
                    cached_prompt_tokens=st.cached_prompt_tokens, resumed_from_boundary=st.resumed_from_boundary,
                    accept_lengths=list(st.accept_lengths), copied_rounds=list(st.copied_rounds),
-                   reply_rounds=list(st.reply_rounds),
+                   reply_rounds=list(st.reply_rounds), branch_gains=list(st.branch_gains),
                    position_accepts=list(st.position_accepts), position_trials=list(st.position_trials),
                    prefill_time=st.prefill_time, decode_wall_time=st.decode_wall_time, draft_time=st.draft_time,
                    verify_time=st.verify_time,

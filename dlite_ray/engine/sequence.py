@@ -106,6 +106,7 @@ class SequenceStats:
     accept_lengths: list[int] = field(default_factory=list)  # A + 1 per round
     copied_rounds: list[bool] = field(default_factory=list)  # per round: tokens copied from the context
     reply_rounds: list[bool] = field(default_factory=list)  # per round: copied from an earlier reply (of the above)
+    branch_gains: list[int] = field(default_factory=list)  # per round: tokens kept beyond the main proposal's (a tree)
     position_accepts: list[int] = field(default_factory=list)  # [k] DLite rounds whose draft k was accepted
     position_trials: list[int] = field(default_factory=list)  # [k] DLite rounds that drafted position k
     prefill_time: float = 0.0
@@ -117,10 +118,15 @@ class SequenceStats:
     cached_prompt_tokens: int = 0  # prompt positions found in the prefix cache
     resumed_from_boundary: bool = False  # KV and pivot features reused with no target recompute
 
-    def record_round(self, num_drafted: int, accepted: int, copied: bool = False, from_reply: bool = False) -> None:
+    def record_round(self, num_drafted: int, accepted: int, copied: bool = False, from_reply: bool = False,
+                     main_accepted: int | None = None) -> None:
+        """accepted: tokens the round kept before the target's own; main_accepted: how many of
+        them the main proposal held (fewer where a tree's other branch went further)."""
+        main_accepted = accepted if main_accepted is None else main_accepted
         self.accept_lengths.append(accepted + 1)
         self.copied_rounds.append(copied)
         self.reply_rounds.append(from_reply)
+        self.branch_gains.append(accepted - main_accepted)
         if copied:
             return  # per-position acceptance describes the DLite draft
         while len(self.position_trials) < num_drafted:
@@ -128,7 +134,7 @@ class SequenceStats:
             self.position_accepts.append(0)
         for k in range(num_drafted):
             self.position_trials[k] += 1
-            self.position_accepts[k] += k < accepted
+            self.position_accepts[k] += k < main_accepted
 
     @property
     def mean_accept_length(self) -> float:

@@ -4,11 +4,13 @@
 Per step: rows whose grammar forces their next tokens propose those, and rows whose last
 tokens occurred earlier in their context copy what followed there (`context_lookup.py`),
 else in an earlier reply of their namespace (`reply_cache.py`); the others draft K_i
-tokens in one draft call. Then prefill chunks and [anchor, d_1..d_K_i] verify rows run
-in one ragged target forward; each row accepts A_i, commits A_i + 1 tokens (its KV now
-holds n_i + A_i + 1 positions: the scheduler crops the rest after the step), and takes
-its next pivot features from the verify pass at index A_i. Rows with K_i = 0 decode
-plainly.
+tokens in one draft call. Where the policy finds it pays, other continuations from the
+context branch off that main proposal as a tree (`candidate_tree.py`). Then prefill
+chunks and [anchor, d_1..d_K_i] verify rows (or trees) run in one ragged target forward;
+each row accepts A_i along its kept branch, commits A_i + 1 tokens (its KV now holds
+n_i + A_i + 1 positions, a tree's kept branch moved into place: the scheduler crops the
+rest after the step), and takes its next pivot features from the verify pass at the kept
+branch's last node. Rows with K_i = 0 decode plainly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dlite_ray.engine.candidate_tree import CandidateTree, walk_greedy, walk_sampled
 from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, DraftUnavailable
 from dlite_ray.engine.logprobs import token_logprobs
@@ -55,6 +58,7 @@ class RoundProposal:
     q_probs: dict[int, torch.Tensor] | None  # the draft distributions of sampled rows, by row
     draft_time: float
     draft_failed: bool
+    trees: list[CandidateTree]  # per row: its main proposal after the anchor, and other branches where any
 
     @property
     def lengths(self) -> list[int]:
@@ -62,32 +66,36 @@ class RoundProposal:
 
 
 class SpecDecoder:
+    # Other continuations looked at for a tree's branches, per row and round.
+    MAX_BRANCHES = 4
+
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
-                 policy: SpeculationPolicy, lookup: ContextLookup | None = None, replies: ReplyCache | None = None):
+                 policy: SpeculationPolicy, lookup: ContextLookup | None = None, replies: ReplyCache | None = None,
+                 tree_tokens: int = 0):
         """lookup: copies from each row's context; replies: earlier replies, copied where the
-        context has no match (both within lookup.max_tokens per round)."""
+        context has no match (both within lookup.max_tokens per round); tree_tokens: at most
+        this many tokens of other continuations verified next to a row's main proposal."""
         self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
         self.lookup = lookup or ContextLookup(0)
         self.replies = replies
+        self.tree_tokens = tree_tokens if runner.verifies_trees else 0
 
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
         step_started = time.perf_counter()
         decodes = schedule.decodes
         proposal = self._propose_round(decodes, sum(n for _, n in schedule.prefills))
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
-        rows += [RowInput(s, [s.anchor] + tokens, num_outputs=len(tokens) + 1)
-                 for s, tokens in zip(decodes, proposal.tokens)]
-        accepted: list[int] = []
+        rows += [RowInput(s, tree.tokens, len(tree.tokens), None if tree.is_chain else tree.parents)
+                 for s, tree in zip(decodes, proposal.trees)]
+        branches: list[list[int]] = []
         next_tokens: list[int] = []
         with _timer(self.runner.device) as t:
             outs = self.runner.run(rows, schedule.copies)
             if decodes:
-                modes = [_verify_mode(s, copied) for s, copied in zip(decodes, proposal.copied)]
-                a, n = self._verify(decodes, modes, proposal, outs[len(schedule.prefills):])
-                accepted, next_tokens = a.tolist(), n.tolist()  # the step's host sync for verification
+                branches, next_tokens = self._verify(decodes, proposal, outs[len(schedule.prefills):])
         self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, proposal.draft_time, proposal.drafted)
         self._commit_prefills(schedule.prefills, outs, t.elapsed)
-        emitted = self._commit_decodes(decodes, proposal, accepted, next_tokens, outs[len(schedule.prefills):],
+        emitted = self._commit_decodes(decodes, proposal, branches, next_tokens, outs[len(schedule.prefills):],
                                        t.elapsed)
         # Only decode-only steps that drafted or decoded plainly measure the draft against
         # none; copied rows and a failed draft call would blur that comparison.
@@ -108,8 +116,24 @@ class SpecDecoder:
         drafts, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
         tokens = [c or d for c, d in zip(copies, drafts)]
         from_reply = [bool(c) and reply for c, (_, reply) in zip(copies, proposed)]
+        trees = [CandidateTree.chain(s.anchor, t, q_probs.get(i) if q_probs and not c and s.params.mode == REJECTION
+                                     else None)  # a greedy draft's tokens were not drawn from its q
+                 for i, (s, t, c) in enumerate(zip(decodes, tokens, copies))]
+        for seq, tree in zip(decodes, trees):
+            self._branch_out(seq, tree)
         return RoundProposal(tokens, [bool(c) for c in copies], from_reply, [len(d) for d in drafts], q_probs,
-                             draft_time, failed)
+                             draft_time, failed, trees)
+
+    def _branch_out(self, seq: Sequence, tree: CandidateTree) -> None:
+        """Other continuations of the row's last tokens in its context, as branches next to its
+        main proposal, within the tokens the policy finds worth verifying."""
+        if not tree.main or seq.grammar is not None:  # plain rows stay plain; grammars mask a chain
+            return
+        budget = self.policy.branch_budget(self.tree_tokens)
+        for branch in self.lookup.alternatives(seq, self._room(seq), self.MAX_BRANCHES):
+            if budget <= 0:
+                return
+            budget -= tree.add(branch, max_new=budget)
 
     def _commit_prefills(self, prefills: list[tuple[Sequence, int]], outs: list[RowOutput], seconds: float) -> None:
         for (seq, n), out in zip(prefills, outs):
@@ -118,30 +142,38 @@ class SpecDecoder:
             if seq.num_to_prefill == 0:
                 seq.pivot_features = out.taps[-1] if out.taps is not None else None
 
-    def _commit_decodes(self, decodes: list[Sequence], proposal: RoundProposal, accepted: list[int],
+    def _commit_decodes(self, decodes: list[Sequence], proposal: RoundProposal, branches: list[list[int]],
                         next_tokens: list[int], outs: list[RowOutput], seconds: float) -> dict[Sequence, list[int]]:
-        """Each row keeps its accepted tokens and the target's next one, its KV ends there and it
-        takes its next pivot features from the verify pass at that index."""
+        """Each row keeps its accepted branch and the target's next token, its KV ends there and
+        it takes its next pivot features from the verify pass at the branch's last node."""
         emitted = {}
         now = time.perf_counter()
         for i, seq in enumerate(decodes):
-            a, out, tokens, copied = accepted[i], outs[i], proposal.tokens[i], proposal.copied[i]
-            kept = emitted[seq] = seq.append_tokens(tokens[:a] + [next_tokens[i]], self.eos_ids)
+            branch, out, tree, copied = branches[i], outs[i], proposal.trees[i], proposal.copied[i]
+            a = len(branch) - 1
+            kept = emitted[seq] = seq.append_tokens([tree.tokens[j] for j in branch[1:]] + [next_tokens[i]],
+                                                    self.eos_ids)
             if seq.grammar is not None:
                 seq.grammar.advance(kept)
                 if seq.grammar.error is not None:  # a parser limit met mid-reply: not a "stop"
                     seq.fail(f"the output grammar failed: {seq.grammar.error}")
-            if seq.trace is not None:  # verify row m chose the m-th token kept
-                seq.trace.add(out.logits[:len(kept)], out.taps[:len(kept)] if out.taps is not None else None)
+            rows = branch[:len(kept)]  # verify row m (a node of the branch) chose the m-th token kept
+            if seq.trace is not None:
+                seq.trace.add(out.logits[rows], out.taps[rows] if out.taps is not None else None)
             if seq.logprobs is not None:
-                seq.logprobs += token_logprobs(out.logits[:len(kept)], kept, seq.params.logprobs)
-            seq.num_computed += a + 1  # the KV of rejected drafts is cropped by the scheduler's postprocess
-            seq.pivot_features = out.taps[a] if out.taps is not None else None
+                seq.logprobs += token_logprobs(out.logits[rows], kept, seq.params.logprobs)
+            if not tree.is_chain:
+                self.runner.keep_branch(seq, branch)
+            seq.num_computed += a + 1  # the KV of rejected candidates is cropped by the scheduler's postprocess
+            seq.pivot_features = out.taps[branch[-1]] if out.taps is not None else None
             st = seq.stats
             if st.first_token_time is None:
                 st.first_token_time = now
-            st.record_round(len(tokens), a, copied=copied, from_reply=proposal.from_reply[i])
-            self.policy.record(seq, len(tokens), a, copied=copied, from_reply=proposal.from_reply[i])
+            main = tree.main_accepted(branch)
+            st.record_round(tree.main, a, copied=copied, from_reply=proposal.from_reply[i], main_accepted=main)
+            self.policy.record(seq, tree.main, main, copied=copied, from_reply=proposal.from_reply[i])
+            if tree.num_candidates > tree.main:
+                self.policy.record_branches(tree.num_candidates - tree.main, a - main)
             if proposal.drafted[i]:
                 st.draft_time += proposal.draft_time  # the draft call it took part in
             st.verify_time += seconds
@@ -207,8 +239,36 @@ class SpecDecoder:
         q_probs = {i: probs[j, :ks[i]] for j, i in enumerate(rows)} if probs is not None else None
         return drafts, q_probs, t.elapsed, False
 
-    def _verify(self, seqs: list[Sequence], modes: list[str], proposal: RoundProposal, outs: list[RowOutput]):
-        ks, drafts, q_probs = proposal.lengths, proposal.tokens, proposal.q_probs
+    def _verify(self, seqs: list[Sequence], proposal: RoundProposal,
+                outs: list[RowOutput]) -> tuple[list[list[int]], list[int]]:
+        """-> each row's kept branch (node indices from the anchor) and the target's next token."""
+        trees = [i for i, tree in enumerate(proposal.trees) if not tree.is_chain]
+        chains = [i for i in range(len(seqs)) if proposal.trees[i].is_chain]
+        branches: list[list[int]] = [[] for _ in seqs]
+        next_tokens = [0] * len(seqs)
+        if chains:
+            sub = [seqs[i] for i in chains]
+            modes = [_verify_mode(seqs[i], proposal.copied[i]) for i in chains]
+            a, n = self._verify_chains(sub, modes, [proposal.tokens[i] for i in chains],
+                                       [proposal.q_probs.get(i) if proposal.q_probs else None for i in chains],
+                                       [outs[i] for i in chains])
+            for i, accepted, token in zip(chains, a.tolist(), n.tolist()):  # the step's host sync for verification
+                branches[i], next_tokens[i] = list(range(accepted + 1)), token
+        for i in trees:
+            branches[i], next_tokens[i] = self._verify_tree(seqs[i], proposal.trees[i], outs[i].logits)
+        return branches, next_tokens
+
+    @staticmethod
+    def _verify_tree(seq: Sequence, tree: CandidateTree, logits: torch.Tensor) -> tuple[list[int], int]:
+        if seq.params.mode == GREEDY:
+            return walk_greedy(tree, logits.argmax(dim=-1).tolist())
+        p = probabilities(logits[None], _row_sampling([seq], logits.device))[0]
+        return walk_sampled(tree, p, seq.generator)
+
+    def _verify_chains(self, seqs: list[Sequence], modes: list[str], drafts: list[list[int]],
+                       q_rows: list[torch.Tensor | None], outs: list[RowOutput]):
+        """Rows whose candidates are one chain, vectorised -> (A [B], next token [B])."""
+        ks = [len(d) for d in drafts]
         width = max(ks) + 1
         logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
         for i, seq in enumerate(seqs):
@@ -233,7 +293,7 @@ class SpecDecoder:
                 if mode == MATCH:
                     a, t = verify_match(p, draft_t[it], num[it], rs.generators)
                 else:
-                    q = _stack_q(idx, q_probs, width - 1, p)
+                    q = _stack_q([q_rows[i] for i in idx], width - 1, p)
                     a, t = verify_rejection(p, q, draft_t[it], num[it], rs.generators)
             accepted[it], next_tokens[it] = a, t
         return accepted, next_tokens
@@ -256,12 +316,11 @@ def _row_sampling(seqs: list[Sequence], device) -> RowSampling:
                              [s.params.top_p for s in seqs], [s.generator for s in seqs], device)
 
 
-def _stack_q(idx: list[int], q_probs: dict[int, torch.Tensor] | None, k: int, p: torch.Tensor) -> torch.Tensor:
+def _stack_q(q_rows: list[torch.Tensor | None], k: int, p: torch.Tensor) -> torch.Tensor:
     """Draft distributions for the rejection rows, padded to [B, K, V] (rows with no draft: zeros)."""
     vocab = p.shape[-1]
     rows = []
-    for i in idx:
-        q = q_probs.get(i) if q_probs else None
+    for q in q_rows:
         q = torch.zeros(0, vocab, device=p.device) if q is None else q
         rows.append(F.pad(q, (0, 0, 0, k - q.shape[0])))
     return torch.stack(rows)

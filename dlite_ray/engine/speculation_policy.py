@@ -22,6 +22,12 @@ Copies from earlier replies (`reply_cache.py`) match across unrelated requests a
 less often than copies from a request's own context; their acceptance is tracked
 engine-wide on its own, sizes their allocation, and decides whether such a copy may take
 a round from the draft at all (`copies_from_replies`).
+
+Other continuations verified next to a round's main proposal (the branches of a tree,
+`candidate_tree.py`) cost forward time only. What their tokens kept beyond the main
+proposal, per token verified, is tracked engine-wide; they are verified while that value
+per second of forward time beats the rate the step's allocation expects, so they stay on
+at batch 1 on a CPU, where a verify row costs little, and go where rows are dear.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class SpeculationPolicy:
     # A copy from a reply refused in favour of the draft lets the evidence against such copies
     # fade by this much (by half every ~14 refusals), so that they are retried.
     REPLY_RETRY_DECAY = 0.95
+    # Branches start from an optimistic prior worth BRANCH_PRIOR_WEIGHT verified tokens, and
+    # a refusal lets the evidence fade as for copies from replies, so they are retried.
+    BRANCH_PRIOR, BRANCH_PRIOR_WEIGHT = 0.2, 16.0
 
     def __init__(self, max_draft_tokens: int, adaptive: bool = True):
         self.max_draft_tokens, self.adaptive = max_draft_tokens, adaptive
@@ -71,6 +80,8 @@ class SpeculationPolicy:
         self._reply = [0.0, 0.0]  # decayed (accepted, examined) of tokens copied from earlier replies
         # decayed (accepted, reached) per drafted position over all requests
         self._positions = [[0.0, 0.0] for _ in range(max_draft_tokens)]
+        self._branches = [0.0, 0.0]  # decayed (tokens kept beyond the main proposal, branch tokens verified)
+        self._step_rate = 0.0  # tokens per second the last allocation expected of its step
 
     def alpha(self, seq: Sequence) -> float:
         return _rate(self._accept.get(seq, (0.0, 0.0)), self._global, self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
@@ -91,6 +102,27 @@ class SpeculationPolicy:
             return True
         self._reply = [x * self.REPLY_RETRY_DECAY for x in self._reply]
         return False
+
+    def branch_value(self) -> float:
+        """Tokens a verified branch token has kept beyond the main proposal, on average."""
+        kept, verified = self._branches
+        return (kept + self.BRANCH_PRIOR * self.BRANCH_PRIOR_WEIGHT) / (verified + self.BRANCH_PRIOR_WEIGHT)
+
+    def branch_budget(self, limit: int) -> int:
+        """Tokens of other branches a row may verify next to its main proposal this round:
+        `limit` while their measured value per second of forward time beats the step's
+        expected rate, else none (and the evidence against them fades)."""
+        if limit <= 0:
+            return 0
+        if not self.adaptive or self.branch_value() / self.cost.v1 >= self._step_rate:
+            return limit
+        self._branches = [x * self.REPLY_RETRY_DECAY for x in self._branches]
+        return 0
+
+    def record_branches(self, verified: int, kept: int) -> None:
+        """A round verified `verified` branch tokens, which kept `kept` tokens beyond its main proposal."""
+        d = self.GLOBAL_DECAY
+        self._branches = [self._branches[0] * d + kept, self._branches[1] * d + verified]
 
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
                copy_caps: list[int] | None = None, from_reply: list[bool] | None = None) -> list[int]:
@@ -149,6 +181,7 @@ class SpeculationPolicy:
             gain += gains[best][ks[best]]
             time += best_cost
             ks[best] += 1
+        self._step_rate = gain / time
         return ks, gain / time > plain_rate
 
     def _depth_factors(self) -> list[float]:

@@ -84,3 +84,22 @@ def test_streaming_callback_sees_every_token_in_order(tiny_target, tiny_draft, r
     seen: dict[int, list[int]] = {}
     engine.generate(PROMPTS, max_new_tokens=NEW, callback=lambda i, toks: seen.setdefault(i, []).extend(toks))
     assert [seen[i] for i in range(len(PROMPTS))] == reference
+
+
+# Each prompt's last token occurred before with several different followers, so rounds
+# verify trees: the draft's block and other continuations from the context next to it.
+TREE_PROMPTS = [[5, 9, 7, 5, 11, 7, 5, 13, 7, 5, 17, 7, 5], [40, 41, 42, 40, 43, 44, 40, 45, 46, 40, 41, 47, 40]]
+
+
+@pytest.mark.parametrize("draft_kind", ["random", "none"])
+def test_tree_verification_matches_target(tiny_target, tiny_draft, draft_kind):
+    want = [r.token_ids for r in make_engine(tiny_target).generate(TREE_PROMPTS, max_new_tokens=NEW)]
+    engine = make_engine(tiny_target, tiny_draft if draft_kind == "random" else None, lookup_tokens=6)
+    trees = []
+    original = engine.runner.keep_branch
+    engine.runner.keep_branch = lambda seq, branch: (trees.append(branch), original(seq, branch))
+    out = engine.generate(TREE_PROMPTS, max_new_tokens=NEW)
+    assert [r.token_ids for r in out] == want
+    assert trees  # rounds did verify trees (and moved a kept branch's KV into place)
+    if draft_kind == "random":  # a random draft is mostly wrong: some branch beat it
+        assert sum(g for r in out for g in r.stats.branch_gains) > 0

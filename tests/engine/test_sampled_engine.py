@@ -179,3 +179,44 @@ def test_kv_after_rounds_equals_fresh_prefill(tiny_target, tiny_draft):
     for s in seqs:
         engine.abort(s.request_id)
     assert engine.scheduler.blocks.num_used_blocks == 0 or engine.scheduler.boundaries is not None
+
+
+# Ends in 3, which was followed by 5, 9, 4 and 6 earlier: the draft's block and those
+# continuations are verified together as a tree (candidate_tree.py).
+TREE_PROMPT = [3, 5, 7, 3, 9, 7, 3, 4, 7, 3, 6, 3]
+
+
+def _sample_trees(target, draft, temperature: float, reps: int = 4) -> tuple[list[int], list[int], int]:
+    engine = make_engine(target, draft, lookup_tokens=3)
+    trees = []
+    original = engine.runner.keep_branch
+    engine.runner.keep_branch = lambda seq, branch: (trees.append(branch), original(seq, branch))
+    firsts, seconds = [], []
+    for rep in range(reps):
+        out = engine.generate([TREE_PROMPT] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
+                              ignore_eos=True)
+        firsts += [r.token_ids[0] for r in out]
+        seconds += [r.token_ids[1] for r in out]
+    return firsts, seconds, len(trees)
+
+
+def test_sampled_trees_follow_the_target(small_vocab):
+    """Drafted tokens (by min(1, r/q)) and copied ones (by r) compete at the same node."""
+    target, draft = small_vocab
+    want2, want1 = _target_second_token_distribution(target, 0.9, TREE_PROMPT)
+    firsts, seconds, trees = _sample_trees(target, draft, 0.9)
+    assert trees >= len(firsts)  # every request's first round verified a tree
+    for got, want in ((seconds, want2), (firsts, want1)):
+        assert chi2_pvalue(got, want.double().numpy()) > 1e-3
+
+
+def test_a_tree_walk_that_forgets_rejected_candidates_is_caught(small_vocab, monkeypatch):
+    """Draw from the whole distribution after a rejection, not from what remains: the
+    rejected candidates come back too often, and the test sees it."""
+    from dlite_ray.engine import candidate_tree
+
+    target, draft = small_vocab
+    _, want1 = _target_second_token_distribution(target, 0.9, TREE_PROMPT)
+    monkeypatch.setattr(candidate_tree, "_residual", lambda r, x, q: r)
+    firsts, _, _ = _sample_trees(target, draft, 0.9, reps=2)
+    assert chi2_pvalue(firsts, want1.double().numpy()) < 1e-3
