@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
+from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TREE_TOKENS
 from dlite_ray.engine.stream_text import TextStream
 
 # "auto": bf16 where the CPU has AVX-512 BF16 or AMX (or on an accelerator), else float32
@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, "
-                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-fixed (full draft and "
+                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-notree (one "
+                            "candidate per round: no tree of other continuations), dlite-fixed (full draft and "
                             "copy length every round, no adaptive policy), lookup (context lookup alone), llama.cpp "
                             "and llama.cpp-bf16 "
                             "(llama-cpp-python on the target's GGUF as stored / converted to bf16; "
@@ -151,6 +152,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-block-size", type=int, default=None)
     p.add_argument("--lookup-tokens", type=int, default=None,
                    help="most tokens copied from the context per round (default 15 with a draft, 0 with none)")
+    p.add_argument("--tree-tokens", type=int, default=DEFAULT_TREE_TOKENS,
+                   help="most tokens of other continuations from the context verified next to a round's draft or "
+                        "copy, as a tree (0 = off)")
 
 
 def _engine(args):
@@ -158,7 +162,8 @@ def _engine(args):
 
     return DLiteEngine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
                                        num_draft_tokens=args.num_draft_tokens,
-                                       verify_block_size=args.verify_block_size, lookup_tokens=args.lookup_tokens)
+                                       verify_block_size=args.verify_block_size, lookup_tokens=args.lookup_tokens,
+                                       tree_tokens=args.tree_tokens)
 
 
 def cmd_generate(args) -> int:

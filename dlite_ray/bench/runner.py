@@ -28,7 +28,7 @@ from dlite_ray.runtime.model_store import default_gguf_path
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
-               "dlite-nolookup", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
+               "dlite-nolookup", "dlite-notree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
 ASSISTANT_LAYERS = 6
 
 
@@ -112,6 +112,9 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=0))
+        elif name == "dlite-notree":  # one candidate per round (draft or copy): no tree of other continuations
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
+                                                           lookup_tokens=lookup, tree_tokens=0))
         elif name == "dlite-fixed":  # the same draft at its full length every round: no adaptive policy
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, adaptive_draft_length=False))

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dlite_ray.constants import DEFAULT_REPLY_CACHE_TOKENS
+from dlite_ray.constants import DEFAULT_REPLY_CACHE_TOKENS, DEFAULT_TREE_TOKENS
 
 
 class EngineArgs(BaseModel):
@@ -30,6 +30,11 @@ class EngineArgs(BaseModel):
         DEFAULT_REPLY_CACHE_TOKENS, ge=0, description="tokens of earlier replies kept per tenant and copied where "
                                                       "a request's context has no match; 0 = off, the default "
                                                       "(8192 holds ~70 replies)")
+    tree_tokens: int = Field(
+        DEFAULT_TREE_TOKENS, ge=0, le=32, description="most tokens of other continuations from the context verified "
+                                                      "next to a round's draft or copy, as a tree (only where "
+                                                      "lookup_tokens > 0, and while the policy measures they pay); "
+                                                      "0 = off")
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
     disaggregated_draft: bool = Field(
         True, description="run the draft in its own actor (bundle 1) over torch.distributed")
