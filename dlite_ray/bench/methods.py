@@ -29,6 +29,7 @@ class Run:
     verify_time: float = 0.0
     decode_time: float = 0.0
     copied_rounds: list[bool] = field(default_factory=list)  # per round: copied from the context, not drafted
+    branch_gains: list[int] = field(default_factory=list)  # per round: tokens kept beyond the main proposal (a tree)
 
 
 class EngineMethod:
@@ -46,7 +47,7 @@ class EngineMethod:
         s = r.stats
         return Run(r.token_ids, s.ttft or total, s.decode_tokens_per_second, len(r.token_ids) / total,
                    s.accept_lengths, s.position_accepts, s.position_trials, s.draft_time,
-                   s.verify_time, s.decode_wall_time, copied_rounds=s.copied_rounds)
+                   s.verify_time, s.decode_wall_time, copied_rounds=s.copied_rounds, branch_gains=s.branch_gains)
 
 
 class _TimingStreamer:

@@ -43,6 +43,7 @@ def _markdown(results: dict, plots: list[str]) -> str:
     lines += ["", "Ratios (decode tokens/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
     lines += [line for k, v in results.get("paired_ratios", {}).items() for line in (paired_ratio_line(k, v), "")]
     lines += _round_times(results, names)
+    lines += _acceptance(results)
     lines += [f"![{p}]({p})" for p in plots]
     return "\n".join(lines) + "\n"
 
@@ -64,6 +65,24 @@ def _round_times(results: dict, names: list[str]) -> list[str]:
     for w, per in results["workloads"].items():
         splits = [_split(per[n]["per_prompt"]) for n in ours]
         lines.append(f"| {w} | " + " | ".join(f"{s['draft']:.1f} / {s['verify']:.1f}" for s in splits) + " |")
+    return lines + [""]
+
+
+def _acceptance(results: dict) -> list[str]:
+    """Per-position acceptance of the draft and what trees added, per method that drafted."""
+    rows = {n: s for n, s in results["methods"].items() if any(s["per_position_acceptance"])}
+    if not rows:
+        return []
+    k = max(len(s["per_position_acceptance"]) for s in rows.values())
+    lines = ["Per-position acceptance of the draft (drafted rounds; P(draft k accepted)), and the rounds where "
+             "another branch of a tree went further than the main proposal:", "",
+             "| method | " + " | ".join(f"k={j + 1}" for j in range(k)) + " | tree rounds (tokens gained) |",
+             "|---" * (k + 2) + "|"]
+    for n, s in rows.items():
+        acc = s["per_position_acceptance"] + [None] * (k - len(s["per_position_acceptance"]))
+        tree = (f"{s['branch_round_share']:.0%} ({s['branch_gain_per_round']:.2f})"
+                if s.get("branch_round_share") else "-")
+        lines.append(f"| {n} | " + " | ".join("-" if a is None else f"{a:.2f}" for a in acc) + f" | {tree} |")
     return lines + [""]
 
 

@@ -169,6 +169,7 @@ def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dic
                 "e2e_tps": statistics.median(r.e2e_tps for r in rs),
                 "ttft_s": statistics.median(r.ttft_s for r in rs),
                 "accept_lengths": r0.accept_lengths, "copied_rounds": r0.copied_rounds,
+                "branch_gains": r0.branch_gains,
                 "position_accepts": r0.position_accepts,
                 "position_trials": r0.position_trials,
                 "draft_time": statistics.median(r.draft_time for r in rs),
@@ -184,6 +185,7 @@ def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dic
 def summarize(rows: list[dict]) -> dict:
     lengths = [a for r in rows for a in r["accept_lengths"]]
     copied = [c for r in rows for c in r["copied_rounds"]]
+    gains = [g for r in rows for g in r.get("branch_gains", [])]
     k = max((len(r["position_trials"]) for r in rows), default=0)
     accepts = [sum(r["position_accepts"][j] for r in rows if len(r["position_accepts"]) > j) for j in range(k)]
     trials = [sum(r["position_trials"][j] for r in rows if len(r["position_trials"]) > j) for j in range(k)]
@@ -197,6 +199,9 @@ def summarize(rows: list[dict]) -> dict:
         "mean_accept_length_copied": _mean([a for a, c in zip(lengths, copied) if c]),
         "mean_accept_length_drafted": _mean([a for a, c in zip(lengths, copied) if not c]),
         "per_position_acceptance": [a / t if t else None for a, t in zip(accepts, trials)],
+        # rounds where another branch of a tree went further than the main proposal, and by how much
+        "branch_round_share": _mean([g > 0 for g in gains]),
+        "branch_gain_per_round": _mean(gains),
         # a lossy method's replies (other kernels, other weights) are compared, not counted as errors
         "greedy_mismatches": (sum(1 for r in rows if r["matches_ar"] is False)
                               if all(r["lossless"] for r in rows) else None),
@@ -314,6 +319,12 @@ def _print_table(results: dict) -> None:
             print(f"{n}: {m['copied_round_share']:.0%} of rounds copied from the context (tau "
                   f"{m['mean_accept_length_copied']:.2f}), the rest drafted (tau "
                   + (f"{drafted:.2f})" if drafted else "-)"))
+        if m.get("branch_round_share"):
+            print(f"{n}: in {m['branch_round_share']:.0%} of rounds another branch of the tree went further "
+                  f"than the main proposal ({m['branch_gain_per_round']:.2f} tokens a round on average)")
+        if any(m["per_position_acceptance"]):
+            print(f"{n}: per-position acceptance of the draft "
+                  + " ".join("-" if a is None else f"{a:.2f}" for a in m["per_position_acceptance"]))
     mism = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
     print(f"greedy outputs differing from plain decoding: {mism or 'none'}")
     for n, m in results["methods"].items():

@@ -173,6 +173,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return kernels().decode_attention(q.contiguous(), k_cache, v_cache, slots, first)
 
 
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   chains: list[tuple[int, int, int, torch.Tensor]], shared: int) -> torch.Tensor:
+    """The chains of one tree of candidates in one call: chain (start, len, first, slots) is
+    rows [start, start + len) of q, attended as `decode_attention(q[start:start + len],
+    k_cache, v_cache, slots, first)` would, bit for bit; the chains' slots agree on the
+    tree's context, positions [0, shared), whose keys are read once for every chain."""
+    return kernels().tree_attention(q.contiguous(), k_cache, v_cache, chains, shared)
+
+
 ROW_LINEAR_PANEL = 64  # output columns per packed panel (csrc/row_linear.cpp)
 
 

@@ -68,7 +68,7 @@ class LayerLoop:
             cache: PagedKVCache, tap_layers: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """x [T, D] through every layer -> (the last layer's output, each tap layer's output)."""
         rows = x.shape[0]
-        spans = [(s.q_start, s.q_len, s.ctx_len - s.q_len, _context_slots(s, x.device)) for s in meta.spans]
+        spans = [(s.q_start, s.q_len, s.ctx_len - s.q_len, _context_slots(s, x.device), s.tree) for s in meta.spans]
         taps = sorted(set(tap_layers))
         x, tapped = self._layers.forward(x, cos.reshape(rows, -1), signed_sin.reshape(rows, -1), cache.k_layers,
                                          cache.v_layers, meta.slot_mapping, spans, taps)

@@ -225,6 +225,39 @@ def test_decode_attention_gives_a_row_the_same_bits_however_it_is_called(kernels
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("context", [600, 1530])  # the chains in one chunk; straddling a chunk boundary (1536)
+def test_tree_attention_gives_each_chain_the_bits_of_decode_attention(kernels, decode_case, context):
+    """A tree's chains in one call, the whole chunks of their shared context read once for
+    all of them: every row as `decode_attention` computes its chain alone."""
+    q, k_cache, v_cache, slots = _decode_inputs(9, *decode_case)
+    # chain 0: positions context.. +3; chain 1 branches off after 1 token (2 rows); chain 2
+    # off the anchor (1 row); chain 3 after 2 tokens (3 rows); each over its own tail slots
+    shapes = [(0, 3, context), (3, 2, context + 1), (5, 1, context + 1), (6, 3, context + 2)]
+    chains = []
+    for i, (start, length, first) in enumerate(shapes):
+        own = slots[context:context + first - context + length] if i == 0 else torch.randperm(
+            6000 - context, generator=torch.Generator().manual_seed(i))[:first - context + length] + context
+        chain_slots = torch.cat([slots[:context], own]) if i else slots[:first + length].clone()
+        chains.append((start, length, first, chain_slots))
+    got = kernels.tree_attention(q, k_cache, v_cache, chains, context)
+    for start, length, first, chain_slots in chains:
+        alone = kernels.decode_attention(q[start:start + length].contiguous(), k_cache, v_cache, chain_slots, first)
+        assert torch.equal(got[start:start + length], alone)
+
+
+def test_tree_attention_refuses_chains_that_do_not_share_their_context(kernels, decode_case):
+    q, k_cache, v_cache, slots = _decode_inputs(4, *decode_case)
+    other = slots.clone()
+    other[7] = slots[8]
+    chains = [(0, 2, 300, slots[:302]), (2, 2, 300, other[:302])]
+    with pytest.raises(RuntimeError, match="differ inside the shared context"):
+        kernels.tree_attention(q, k_cache, v_cache, chains, 300)
+    with pytest.raises(RuntimeError, match="tile q's rows"):
+        kernels.tree_attention(q, k_cache, v_cache, [(0, 2, 300, slots[:302]), (3, 1, 300, slots[:301])], 300)
+    with pytest.raises(RuntimeError, match="inside the shared context"):
+        kernels.tree_attention(q, k_cache, v_cache, [(0, 4, 300, slots[:304])], 301)
+
+
 def test_prefill_chunks_attend_through_our_kernel_while_its_partials_stay_bounded(kernels, decode_case):
     dtype, head_dim = decode_case
     chunk = torch.zeros(512, HQ, head_dim, dtype=dtype)

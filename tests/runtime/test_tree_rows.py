@@ -15,7 +15,9 @@ from dlite_ray.runtime.loading import load_target
 from tests.conftest import make_tiny_checkpoint
 from tests.helpers import forward_all, new_runner, new_seq
 
-PROMPT = list(range(3, 70))  # crosses a window (64) so chains read keys past a window's end
+# Crosses windows (64) so chains read keys past a window's end, and chunks of our decode
+# kernel (256), so their shared whole chunks are read once for the whole tree.
+PROMPT = [3 + i % 120 for i in range(300)]
 # anchor 5; branch 5-6-7-8; branch 5-9-10 from the anchor; branch 5-6-11 from the second token
 TOKENS = [5, 6, 7, 8, 9, 10, 11]
 PARENTS = [-1, 0, 1, 2, 0, 4, 1]

@@ -43,6 +43,7 @@ class SequenceSpan:
     kv_slots: torch.Tensor | None = None  # [ctx_len] slots, built by the first layer that gathers
     folded_mask: torch.Tensor | None = None  # causal mask per GQA-folded row (prefill), built once
     window_reads: dict[int, WindowReads] = field(default_factory=dict)  # by a call's first position
+    tree: int = -1  # where >= 0: the span is a chain of the tree of candidates this names (`_chain_spans`)
 
 
 @dataclass(slots=True)
@@ -100,7 +101,7 @@ def build_attention_metadata(
             spans.append(SequenceSpan(q_start, q_len, ctx_len, _context_runs(table, ctx_len, block_size)))
         else:
             context = [s for run in _context_runs(table, first, block_size) for s in range(run.start, run.stop)]
-            spans += _chain_spans(tree, q_start, context, new_slots, device)
+            spans += _chain_spans(tree, q_start, context, new_slots, device, len(spans))
         q_start += q_len
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long, device=device), spans, block_tables,
                              block_size)
@@ -117,9 +118,10 @@ def tree_positions(parents: list[int]) -> list[int]:
 
 
 def _chain_spans(parents: list[int], q_start: int, context: list[int], new_slots: list[int],
-                 device: torch.device) -> list[SequenceSpan]:
+                 device: torch.device, tree: int) -> list[SequenceSpan]:
     """A tree's spans, one per chain: its keys are the context's, its first token's
-    ancestors' and its own, in order of depth."""
+    ancestors' and its own, in order of depth. They carry the tree's name (its first span's
+    index), so that a kernel may read the context they share once for all of them."""
     depths = tree_positions(parents)
     spans = []
     j = 0
@@ -135,7 +137,7 @@ def _chain_spans(parents: list[int], q_start: int, context: list[int], new_slots
         ctx_len = len(context) + depths[end - 1] + 1
         assert len(slots) == ctx_len
         spans.append(SequenceSpan(q_start + j, end - j, ctx_len, _slot_runs(slots),
-                                  torch.tensor(slots, dtype=torch.long, device=device)))
+                                  torch.tensor(slots, dtype=torch.long, device=device), tree=tree))
         j = end
     return spans
 

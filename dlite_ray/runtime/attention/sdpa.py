@@ -80,7 +80,15 @@ class SdpaBackend:
             return _attend_accelerator(meta, q, k_all, v_all)
         group = q.shape[1] // k_all.shape[0]
         outs = []
-        for span in meta.spans:
+        i = 0
+        while i < len(meta.spans):
+            span = meta.spans[i]
+            chains = _tree_chains(meta.spans, i)
+            if len(chains) > 1 and all(positioned(c, group) for c in chains) and fused_ops.attends_decode_rows(q):
+                outs.append(_attend_tree(q, k_all, v_all, chains))
+                i += len(chains)
+                continue
+            i += 1
             n = span.q_len
             rows = q if len(meta.spans) == 1 else q[span.q_start:span.q_start + n]
             exact = positioned(span, group)
@@ -92,6 +100,23 @@ class SdpaBackend:
             else:
                 outs.append(_attend_prefill_cpu(rows, *_context_kv(span, k_all, v_all)))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _tree_chains(spans: list[SequenceSpan], i: int) -> list[SequenceSpan]:
+    """The spans from spans[i] on that are chains of its tree (just spans[i] if none)."""
+    j = i + 1
+    while spans[i].tree >= 0 and j < len(spans) and spans[j].tree == spans[i].tree:
+        j += 1
+    return spans[i:j]
+
+
+def _attend_tree(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, chains: list[SequenceSpan]) -> torch.Tensor:
+    """A tree's chains in one kernel call that reads their shared context once."""
+    start = chains[0].q_start
+    rows = q[start:chains[-1].q_start + chains[-1].q_len]
+    firsts = [c.ctx_len - c.q_len for c in chains]
+    return fused_ops.tree_attention(rows, k_all, v_all, [(c.q_start - start, c.q_len, f, _context_slots(c, q.device))
+                                                         for c, f in zip(chains, firsts)], min(firsts))
 
 
 def _context_kv(span: SequenceSpan, k_all: torch.Tensor, v_all: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

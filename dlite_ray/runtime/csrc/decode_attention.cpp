@@ -388,35 +388,56 @@ void merge_chunks(const Partial<D>* const* parts, int64_t count, Out* out) {
 
 template <typename Cache, int64_t D>
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const int64_t* slot, int64_t first) {
+                     const std::vector<dlite::SpanKeys>& spans, int64_t shared) {
   using Elem = typename Cache::Elem;
   using Out = typename Cache::Out;
-  const int64_t t = q.size(0), hq = q.size(1), hkv = k_cache.size(0), num_slots = k_cache.size(1), ctx = first + t;
-  const int64_t group = hq / hkv, rows = group * t, chunks = (ctx + kChunk - 1) / kChunk;
+  const int64_t t = q.size(0), hq = q.size(1), hkv = k_cache.size(0), num_slots = k_cache.size(1);
+  const int64_t group = hq / hkv, rows = group * t;
+  std::vector<int64_t> position(t);
+  int64_t ctx = 0;
+  for (const auto& span : spans) {
+    for (int64_t i = 0; i < span.len; ++i) position[span.start + i] = span.first + i;
+    ctx = std::max(ctx, span.first + span.len);
+  }
+  const int64_t chunks = (ctx + kChunk - 1) / kChunk, common = shared / kChunk;
   const float scale = 1.0f / std::sqrt(static_cast<float>(D));
   const auto* qp = reinterpret_cast<const Elem*>(q.data_ptr());
   const auto* kp = reinterpret_cast<const Elem*>(k_cache.data_ptr());
   const auto* vp = reinterpret_cast<const Elem*>(v_cache.data_ptr());
+  // Work items (KV head, chunk, span): the first `common` chunks hold keys every span reads
+  // alike, attended once for all rows (span -1); the others per span. Each item fills its
+  // own partials, so threads change nothing.
+  struct Item {
+    int64_t head, chunk, span;
+  };
+  std::vector<Item> items;
+  for (int64_t h = 0; h < hkv; ++h) {
+    for (int64_t c = 0; c < common; ++c) items.push_back({h, c, -1});
+    for (int64_t s = 0; s < static_cast<int64_t>(spans.size()); ++s)
+      for (int64_t c = common; c * kChunk < spans[s].first + spans[s].len; ++c) items.push_back({h, c, s});
+  }
   std::vector<Partial<D>> partials(hkv * chunks * rows);
-  // Work items (KV head, chunk); each fills its own partials, so threads change nothing.
-  const int64_t grain = hkv * ctx * rows < (1 << 14) ? hkv * chunks : 1;
-  at::parallel_for(0, hkv * chunks, grain, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = items.size(), grain = hkv * ctx * rows < (1 << 14) ? num_items : 1;
+  at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<const Elem*> keys(kChunk);
     typename Cache::template Values<D> values;
     std::vector<float> scores(rows * kChunk);
     std::vector<Row<Elem, D>> live(rows);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item / chunks, c = item % chunks, start = c * kChunk, count = std::min(kChunk, ctx - start);
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [h, c, s] = items[i];
+      const dlite::SpanKeys& span = spans[std::max<int64_t>(s, 0)];
+      const int64_t start = c * kChunk, count = std::min(kChunk, span.first + span.len - start);
       for (int64_t j = 0; j < count; ++j) {  // the chunk's keys asked for at once: their reads overlap
-        const int64_t offset = (h * num_slots + slot[start + j]) * D;
+        const int64_t offset = (h * num_slots + span.slot[start + j]) * D;
         keys[j] = kp + offset;
         prefetch<kFar>(keys[j], D * sizeof(Elem));
         values.set(j, vp + offset);
       }
       values.done(count);
       int64_t n = 0;
-      for (int64_t r = 0; r < rows; ++r) {  // row r: token r / group, query head h * group + r % group
-        const int64_t token = r / group, seen = std::min(count, first + token + 1 - start);
+      const int64_t first_row = s < 0 ? 0 : span.start * group, last_row = s < 0 ? rows : (span.start + span.len) * group;
+      for (int64_t r = first_row; r < last_row; ++r) {  // row r: token r / group, query head h * group + r % group
+        const int64_t token = r / group, seen = std::min(count, position[token] + 1 - start);
         if (seen <= 0) continue;  // the chunk lies wholly after the row's position
         live[n++] = {qp + (token * hq + h * group + r % group) * D, scores.data() + r * kChunk, seen,
                      &partials[(h * chunks + c) * rows + r]};
@@ -429,7 +450,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   std::vector<const Partial<D>*> parts(chunks);
   for (int64_t h = 0; h < hkv; ++h) {
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t token = r / group, count = (first + token) / kChunk + 1;
+      const int64_t token = r / group, count = position[token] / kChunk + 1;
       for (int64_t c = 0; c < count; ++c) parts[c] = &partials[(h * chunks + c) * rows + r];
       merge_chunks<D>(parts.data(), count, op + (token * hq + h * group + r % group) * D);
     }
@@ -439,10 +460,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
 
 template <typename Cache>
 torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const int64_t* slot, int64_t first) {
+                              const std::vector<dlite::SpanKeys>& spans, int64_t shared) {
   switch (q.size(2)) {
-    case 64: return attend<Cache, 64>(q, k_cache, v_cache, slot, first);
-    case 128: return attend<Cache, 128>(q, k_cache, v_cache, slot, first);
+    case 64: return attend<Cache, 64>(q, k_cache, v_cache, spans, shared);
+    case 128: return attend<Cache, 128>(q, k_cache, v_cache, spans, shared);
     default: TORCH_CHECK(false, "decode_attention: head dim ", q.size(2), " is not 64 or 128");
   }
 }
@@ -453,40 +474,84 @@ torch::Tensor attend_head_dim(const torch::Tensor& q, const torch::Tensor& k_cac
 
 namespace dlite {
 
+namespace {
+
+void check_tensors(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
+  TORCH_CHECK(avx512_computes(q.scalar_type()), "decode_attention: this build does not attend ", q.scalar_type());
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
+              "decode_attention: q must be contiguous CPU [T, Hq, 64 or 128]");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "decode_attention: the caches must be on the CPU");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type() && k_cache.size(2) == q.size(2),
+              "decode_attention: caches must be contiguous [Hkv, S, D] of q's dtype and head dim");
+  const int64_t hkv = k_cache.size(0);
+  TORCH_CHECK(hkv > 0 && q.size(1) % hkv == 0, "decode_attention: query heads are not a multiple of KV heads");
+}
+
+// A span's rows and keys, checked: its slots cover positions [0, first + len) of the cache.
+SpanKeys span_keys(int64_t start, int64_t len, int64_t first, const torch::Tensor& slots, int64_t num_slots) {
+  TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.is_contiguous(), "decode_attention: slots must be contiguous CPU int64");
+  TORCH_CHECK(first >= 0 && len >= 1 && slots.size(0) >= first + len,
+              "decode_attention: slots must cover positions [0, first + T)");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < first + len; ++i)
+    TORCH_CHECK(0 <= slot[i] && slot[i] < num_slots, "decode_attention: slot ", slot[i], " outside the cache");
+  return {start, len, first, slot};
+}
+
+torch::Tensor attend_spans(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const std::vector<SpanKeys>& spans, int64_t shared) {
+#ifdef DLITE_DECODE_BF16
+  if (q.scalar_type() == at::kBFloat16) return attend_head_dim<Bf16Cache>(q, k_cache, v_cache, spans, shared);
+#endif
+#ifdef DLITE_DECODE_FLOAT
+  return attend_head_dim<F32Cache>(q, k_cache, v_cache, spans, shared);
+#else
+  TORCH_INTERNAL_ASSERT(false, "unreachable: `avx512_computes` refused every dtype");
+#endif
+}
+
+}  // namespace
+
 // q [T, Hq, D] at positions first .. first + T - 1, attending causally the keys and
 // values of positions [0, first + T), which sit at `slots` of one layer's head-major cache
 // [Hkv, S, D]; float32 or bf16 (as the build allows), D = 64 or 128. -> [T, Hq, D].
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const torch::Tensor& slots, int64_t first) {
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK(avx512_computes(dtype), "decode_attention: this build does not attend ", dtype);
-  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous() && (q.size(2) == 64 || q.size(2) == 128),
-              "decode_attention: q must be contiguous CPU [T, Hq, 64 or 128]");
-  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && slots.device().is_cpu(),
-              "decode_attention: the caches and slots must be on the CPU");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
-                  v_cache.is_contiguous() && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype &&
-                  k_cache.size(2) == q.size(2),
-              "decode_attention: caches must be contiguous [Hkv, S, D] of q's dtype and head dim");
-  const int64_t ctx = first + q.size(0), hkv = k_cache.size(0);
-  TORCH_CHECK(hkv > 0 && q.size(1) % hkv == 0, "decode_attention: query heads are not a multiple of KV heads");
-  TORCH_CHECK(first >= 0 && slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
-                  slots.size(0) >= ctx, "decode_attention: slots must be int64 and cover positions [0, first + T)");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < ctx; ++i)
-    TORCH_CHECK(0 <= slot[i] && slot[i] < k_cache.size(1), "decode_attention: slot ", slot[i], " outside the cache");
-#ifdef DLITE_DECODE_BF16
-  if (dtype == at::kBFloat16) return attend_head_dim<Bf16Cache>(q, k_cache, v_cache, slot, first);
-#endif
-#ifdef DLITE_DECODE_FLOAT
-  return attend_head_dim<F32Cache>(q, k_cache, v_cache, slot, first);
-#else
-  TORCH_INTERNAL_ASSERT(false, "unreachable: `avx512_computes` refused every dtype");
-#endif
+  check_tensors(q, k_cache, v_cache);
+  return attend_spans(q, k_cache, v_cache, {span_keys(0, q.size(0), first, slots, k_cache.size(1))}, 0);
+}
+
+// The chains of one tree of candidates (attention/metadata.py, `build_attention_metadata`):
+// span i, (start, len, first, slots), is rows [start, start + len) of q at positions first ..,
+// attending its slots as `decode_attention` does; the spans tile q's rows in order, and their
+// slots agree on the tree's context, positions [0, shared). The context's whole chunks are
+// read once for every row of every chain, so a tree costs little more than its longest
+// chain; each row still has exactly the arithmetic of its chain decoded alone. -> [T, Hq, D].
+torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans,
+                             int64_t shared) {
+  check_tensors(q, k_cache, v_cache);
+  TORCH_CHECK(!spans.empty(), "tree_attention: no spans");
+  std::vector<SpanKeys> keys;
+  int64_t next = 0;
+  for (const auto& [start, len, first, slots] : spans) {
+    TORCH_CHECK(start == next, "tree_attention: the spans must tile q's rows in order");
+    TORCH_CHECK(0 <= shared && shared <= first, "tree_attention: a span starts inside the shared context");
+    keys.push_back(span_keys(start, len, first, slots, k_cache.size(1)));
+    next = start + len;
+    TORCH_CHECK(std::equal(keys.back().slot, keys.back().slot + shared, keys.front().slot),
+                "tree_attention: the spans' slots differ inside the shared context");
+  }
+  TORCH_CHECK(next == q.size(0), "tree_attention: the spans must tile q's rows in order");
+  return attend_spans(q, k_cache, v_cache, keys, shared);
 }
 
 }  // namespace dlite
 
 void register_decode_attention(pybind11::module& m) {
   m.def("decode_attention", &dlite::decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("tree_attention", &dlite::tree_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

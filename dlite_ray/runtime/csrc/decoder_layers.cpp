@@ -7,6 +7,7 @@
 // (tests/runtime/test_layer_loop.py), without going back to Python between them.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -21,8 +22,11 @@ struct Layer {
   c10::optional<torch::Tensor> qkv_bias;
 };
 
-// A sequence's new rows [start, start + len) at positions first .., attending `slots`.
-using Span = std::tuple<int64_t, int64_t, int64_t, torch::Tensor>;
+// A sequence's new rows [start, start + len) at positions first .., attending `slots`; the
+// last field, where not -1, names the tree of candidates whose chain the span is: the spans
+// next to it with the same value are its tree's other chains (dlite::tree_attention), their
+// shared context the positions before the earliest chain's first.
+using Span = std::tuple<int64_t, int64_t, int64_t, torch::Tensor, int64_t>;
 
 class DecoderLayers {
  public:
@@ -70,13 +74,27 @@ class DecoderLayers {
   static torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const std::vector<Span>& spans) {
     if (spans.size() == 1) {
-      const auto& [start, len, first, slots] = spans[0];
+      const auto& [start, len, first, slots, tree] = spans[0];
       return dlite::decode_attention(q, k_cache, v_cache, slots, first);
     }
     std::vector<torch::Tensor> outs;
     outs.reserve(spans.size());
-    for (const auto& [start, len, first, slots] : spans)
-      outs.push_back(dlite::decode_attention(q.narrow(0, start, len).contiguous(), k_cache, v_cache, slots, first));
+    for (size_t i = 0; i < spans.size();) {
+      const auto& [start, len, first, slots, tree] = spans[i];
+      if (tree < 0) {
+        outs.push_back(dlite::decode_attention(q.narrow(0, start, len).contiguous(), k_cache, v_cache, slots, first));
+        ++i;
+        continue;
+      }
+      std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>> chains;  // rows counted from the tree's first
+      int64_t rows = 0, shared = first;
+      for (; i < spans.size() && std::get<4>(spans[i]) == tree; ++i) {
+        chains.emplace_back(rows, std::get<1>(spans[i]), std::get<2>(spans[i]), std::get<3>(spans[i]));
+        rows += std::get<1>(spans[i]);
+        shared = std::min(shared, std::get<2>(spans[i]));
+      }
+      outs.push_back(dlite::tree_attention(q.narrow(0, start, rows).contiguous(), k_cache, v_cache, chains, shared));
+    }
     return torch::cat(outs, 0);
   }
 

@@ -50,8 +50,17 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
               const torch::Tensor& v);
 
 // decode_attention.cpp
+// One span's rows of q, [start, start + len) at positions first .., and the cache slots of
+// its positions [0, first + len).
+struct SpanKeys {
+  int64_t start, len, first;
+  const int64_t* slot;
+};
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                                const torch::Tensor& slots, int64_t first);
+torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans,
+                             int64_t shared);
 
 // row_linear.cpp
 torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
