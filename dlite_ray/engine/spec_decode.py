@@ -113,24 +113,28 @@ class SpecDecoder:
                                 [reply for _, reply in proposed])
         copies = [c[:k] for (c, _), k in zip(proposed, ks)]  # what the cost model kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
-        drafts, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
+        drafts, runners_up, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
         tokens = [c or d for c, d in zip(copies, drafts)]
         from_reply = [bool(c) and reply for c, (_, reply) in zip(copies, proposed)]
         trees = [CandidateTree.chain(s.anchor, t, q_probs.get(i) if q_probs and not c and s.params.mode == REJECTION
                                      else None)  # a greedy draft's tokens were not drawn from its q
                  for i, (s, t, c) in enumerate(zip(decodes, tokens, copies))]
-        for seq, tree in zip(decodes, trees):
-            self._branch_out(seq, tree)
+        for seq, tree, others in zip(decodes, trees, runners_up):
+            self._branch_out(seq, tree, others)
         return RoundProposal(tokens, [bool(c) for c in copies], from_reply, [len(d) for d in drafts], q_probs,
                              draft_time, failed, trees)
 
-    def _branch_out(self, seq: Sequence, tree: CandidateTree) -> None:
-        """Other continuations of the row's last tokens in its context, as branches next to its
-        main proposal, within the tokens the policy finds worth verifying."""
+    def _branch_out(self, seq: Sequence, tree: CandidateTree, runners_up: list[int]) -> None:
+        """Branches next to the row's main proposal, within the tokens the policy finds worth
+        verifying: at each drafted position the draft's runner-up (one token, where the
+        drafted one may be rejected), then other continuations of the row's last tokens in
+        its context. Each is chosen without the target, so verifying it keeps the output exact."""
         if not tree.main or seq.grammar is not None:  # plain rows stay plain; grammars mask a chain
             return
         budget = self.policy.branch_budget(self.tree_tokens)
-        for branch in self.lookup.alternatives(seq, self._room(seq), self.MAX_BRANCHES):
+        main = tree.tokens[1:tree.main + 1]
+        branches = [main[:depth] + [token] for depth, token in enumerate(runners_up)]
+        for branch in branches + self.lookup.alternatives(seq, self._room(seq), self.MAX_BRANCHES):
             if budget <= 0:
                 return
             budget -= tree.add(branch, max_new=budget)
@@ -207,12 +211,13 @@ class SpecDecoder:
         return min(self.draft.info.max_draft_tokens, self._room(seq))
 
     def _draft(self, seqs: list[Sequence], ks: list[int]):
-        """Draft for the rows with k > 0 in one call: (drafts, q, seconds, whether the call
-        failed; every row then decodes plainly this step)."""
+        """Draft for the rows with k > 0 in one call: (drafts, their runners-up, q, seconds,
+        whether the call failed; every row then decodes plainly this step)."""
         rows = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
+        runners_up: list[list[int]] = [[] for _ in seqs]
         if not rows:
-            return drafts, None, 0.0, False
+            return drafts, runners_up, None, 0.0, False
         g = self.draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
         device = self.runner.device
@@ -232,12 +237,14 @@ class SpecDecoder:
                 failure = exc
         if failure is not None:
             log.warning("draft unavailable, decoding plainly this step: %s", failure)
-            return drafts, None, t.elapsed, True
+            return drafts, runners_up, None, t.elapsed, True
+        others = proposal.runners_up.tolist() if proposal.runners_up is not None else None
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]
+            runners_up[i] = others[j][:ks[i]] if others is not None else []
         probs = proposal.vocabulary_probs(self.runner.target.cfg.vocab_size)
         q_probs = {i: probs[j, :ks[i]] for j, i in enumerate(rows)} if probs is not None else None
-        return drafts, q_probs, t.elapsed, False
+        return drafts, runners_up, q_probs, t.elapsed, False
 
     def _verify(self, seqs: list[Sequence], proposal: RoundProposal,
                 outs: list[RowOutput]) -> tuple[list[list[int]], list[int]]:

@@ -47,6 +47,9 @@ class DraftProposal:
     tokens: torch.Tensor  # [N, K]
     probs: torch.Tensor | None  # [N, K, W] the distributions the tokens were drawn from; None if all greedy
     prob_ids: torch.Tensor | None = None  # [W] the token id of each column of probs; None: all V, in order
+    # [N, K] at each position the draft's likeliest token other than the one drafted (the
+    # engine verifies it as a branch where a tree pays); None: the draft gives none
+    runners_up: torch.Tensor | None = None
 
     def vocabulary_probs(self, vocab_size: int) -> torch.Tensor | None:
         """[N, K, V]: probs over every token, zero outside prob_ids (what verification reads).
@@ -146,7 +149,7 @@ class DLiteDraftModel(nn.Module):
         state = head.initial_state(u.shape[0], u, prev)
         token = token_groups[:, -1]
         all_greedy = bool(draft_greedy.all())
-        tokens, probs = [], []
+        tokens, probs, runners_up = [], [], []
         for k in range(num_tokens):
             state = head.advance(state, token)
             logits = head.draft_logits(state, u[:, k]).float()
@@ -155,11 +158,13 @@ class DLiteDraftModel(nn.Module):
                 q = probabilities(logits[:, None], _safe_temperature(sampling))
                 index = torch.where(draft_greedy, index, sample(q, sampling.generators)[:, 0])
                 probs.append(q[:, 0])
+            runners_up.append(head.to_token_ids(logits.scatter(-1, index[:, None], -torch.inf).argmax(dim=-1)))
             token = head.to_token_ids(index)
             tokens.append(token)
+        runners_up = torch.stack(runners_up, 1)
         if all_greedy:
-            return DraftProposal(torch.stack(tokens, 1), None)
-        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), head.drafted_ids)
+            return DraftProposal(torch.stack(tokens, 1), None, runners_up=runners_up)
+        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), head.drafted_ids, runners_up)
 
     def freeze(self) -> None:
         """Inference only (loaded drafts only draft; training builds its own): the backbone's

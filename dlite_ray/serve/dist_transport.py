@@ -133,7 +133,7 @@ class PairTransport:
         done = recv_message(self._conn, deadline)  # the draft's compute happens behind this
         if not isinstance(done, RoundDone):
             raise ConnectionError(f"the draft answered a round with {type(done).__name__}")
-        specs = [((n, k), torch.int64)]
+        specs = [((n, 2, k), torch.int64)]  # the drafted tokens and, under them, their runners-up
         w = done.width
         if sampled:
             if not 0 < w <= self.vocab_size:
@@ -143,9 +143,10 @@ class PairTransport:
             specs.append(((n, k, w), torch.float32))
         got = self._payload.recv(specs, deadline)
         self._payload.wait_sent(deadline)
+        tokens, runners_up = got[0][:, 0], got[0][:, 1]
         if not sampled:
-            return DraftProposal(got[0], None)
-        return DraftProposal(got[0], got[-1], got[1] if len(got) == 3 else None)
+            return DraftProposal(tokens, None, runners_up=runners_up)
+        return DraftProposal(tokens, got[-1], got[1] if len(got) == 3 else None, runners_up)
 
     def ping(self) -> bool:
         """Heartbeat: whether the draft answers a Ping within the round deadline. A round in
@@ -268,7 +269,7 @@ def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, dev
         proposal = draft.propose(feats, torch.tensor(msg.token_groups, dtype=torch.long, device=device),
                                  msg.num_tokens, RowSampling.build(msg.temperature, msg.top_k, msg.top_p, gens, device),
                                  torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device))
-        out, width = [proposal.tokens.long()], 0
+        out, width = [torch.stack([proposal.tokens, proposal.runners_up], 1).long()], 0
         if msg.sampled:
             probs = proposal.probs.float()
             width = probs.shape[-1]

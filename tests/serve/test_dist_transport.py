@@ -62,6 +62,7 @@ def test_a_draft_process_answers_as_the_draft_in_process(tiny_pair, tmp_path, pa
     finally:
         handle.close()
     assert torch.equal(got.tokens, want.tokens)
+    assert torch.equal(got.runners_up, want.runners_up)  # the branches a tree may verify
     assert got.probs.shape == (3, 5, len(keep) if subset else VOCAB)  # what crossed the wire
     assert (got.prob_ids is not None) == subset and (not subset or torch.equal(got.prob_ids, keep))
     torch.testing.assert_close(got.vocabulary_probs(VOCAB), want.vocabulary_probs(VOCAB))
