@@ -52,10 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, "
-                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-notree (one "
-                            "candidate per round: no tree of other continuations), dlite-fixed (full draft and "
-                            "copy length every round, no adaptive policy), lookup (context lookup alone), llama.cpp "
-                            "and llama.cpp-bf16 "
+                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-tree (with "
+                            "tree verification: the draft's runners-up and other copies verified as branches), "
+                            "dlite-fixed (full draft and copy length every round, no adaptive policy), lookup "
+                            "(context lookup alone), llama.cpp and llama.cpp-bf16 "
                             "(llama-cpp-python on the target's GGUF as stored / converted to bf16; "
                             "pip install -e '.[llamacpp]')")
     bench.add_argument("--target", default=None)
@@ -153,8 +153,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-tokens", type=int, default=None,
                    help="most tokens copied from the context per round (default 15 with a draft, 0 with none)")
     p.add_argument("--tree-tokens", type=int, default=DEFAULT_TREE_TOKENS,
-                   help="most tokens of other continuations from the context verified next to a round's draft or "
-                        "copy, as a tree (0 = off)")
+                   help="most tokens of other branches (the draft's runners-up, other continuations from the "
+                        "context) verified next to a round's draft or copy, as a tree (0 = off, the default)")
 
 
 def _engine(args):

@@ -26,9 +26,13 @@ DEFAULT_LOOKUP_TOKENS = 15
 DEFAULT_REPLY_CACHE_TOKENS = 0
 REPLY_CACHE_TOKENS = 8192
 DEFAULT_REPLY_CACHE_NAMESPACES = 16
-# Tree verification (engine/candidate_tree.py): most tokens of other continuations from the
-# context verified next to a round's main proposal, per row and round.
-DEFAULT_TREE_TOKENS = 8
+# Tree verification (engine/candidate_tree.py): most tokens of other branches (the draft's
+# runners-up, other continuations from the context) verified next to a round's main
+# proposal, per row and round. Off by default: on a CPU each verify row costs ~3 ms of
+# attention at 3K tokens of context, more than the ~0.5 tokens a round the branches added
+# (docs/design.md, "Tree verification"). TREE_TOKENS is the size where rows are cheap.
+DEFAULT_TREE_TOKENS = 0
+TREE_TOKENS = 8
 # The draft's vocabulary (runtime/draft_vocab.py): tokens a trained draft may propose.
 DEFAULT_DRAFT_VOCAB_SIZE = 8192
 

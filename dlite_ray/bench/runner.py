@@ -20,7 +20,7 @@ from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes,
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
-from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS
+from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.engine_config import DTYPES, resolve_dtype
 from dlite_ray.engine.loading import default_draft_dir, load_draft
@@ -28,7 +28,7 @@ from dlite_ray.runtime.model_store import default_gguf_path
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
-               "dlite-nolookup", "dlite-notree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
+               "dlite-nolookup", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
 ASSISTANT_LAYERS = 6
 
 
@@ -112,9 +112,9 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=0))
-        elif name == "dlite-notree":  # one candidate per round (draft or copy): no tree of other continuations
+        elif name == "dlite-tree":  # with tree verification: the draft's runners-up and other copies as branches
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
-                                                           lookup_tokens=lookup, tree_tokens=0))
+                                                           lookup_tokens=lookup, tree_tokens=TREE_TOKENS))
         elif name == "dlite-fixed":  # the same draft at its full length every round: no adaptive policy
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, adaptive_draft_length=False))

@@ -65,8 +65,9 @@ class EngineConfig:
     context per round (None: 15 with a draft, 0 without, so no draft is plain decoding);
     reply_cache_tokens: tokens of earlier replies kept per namespace and copied where the
     context has no match (engine/reply_cache.py; 0 = off; copies only where lookup_tokens > 0);
-    tree_tokens: tokens of other continuations from the context verified next to a round's
-    main proposal, as a tree (engine/candidate_tree.py; 0 = off; only where lookup_tokens > 0);
+    tree_tokens: tokens of other branches (the draft's runners-up, other continuations from
+    the context) verified next to a round's main proposal, as a tree (engine/candidate_tree.py;
+    0 = off, the default; only where lookup_tokens > 0);
     tap_layers / normed_last_tap: target layers each forward returns and whether the last
     one is final-normed (None: the draft's own; none without a draft)."""
 

@@ -31,10 +31,11 @@ class EngineArgs(BaseModel):
                                                       "a request's context has no match; 0 = off, the default "
                                                       "(8192 holds ~70 replies)")
     tree_tokens: int = Field(
-        DEFAULT_TREE_TOKENS, ge=0, le=32, description="most tokens of other continuations from the context verified "
-                                                      "next to a round's draft or copy, as a tree (only where "
-                                                      "lookup_tokens > 0, and while the policy measures they pay); "
-                                                      "0 = off")
+        DEFAULT_TREE_TOKENS, ge=0, le=32, description="most tokens of other branches (the draft's runners-up, "
+                                                      "other continuations from the context) verified next to a "
+                                                      "round's draft or copy, as a tree (only where lookup_tokens "
+                                                      "> 0, and while the policy measures they pay); 0 = off, the "
+                                                      "default: on CPUs verify rows cost more than they gain")
     max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
     disaggregated_draft: bool = Field(
         True, description="run the draft in its own actor (bundle 1) over torch.distributed")

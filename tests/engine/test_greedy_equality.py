@@ -94,7 +94,8 @@ TREE_PROMPTS = [[5, 9, 7, 5, 11, 7, 5, 13, 7, 5, 17, 7, 5], [40, 41, 42, 40, 43,
 @pytest.mark.parametrize("draft_kind", ["random", "none"])
 def test_tree_verification_matches_target(tiny_target, tiny_draft, draft_kind):
     want = [r.token_ids for r in make_engine(tiny_target).generate(TREE_PROMPTS, max_new_tokens=NEW)]
-    engine = make_engine(tiny_target, tiny_draft if draft_kind == "random" else None, lookup_tokens=6)
+    engine = make_engine(tiny_target, tiny_draft if draft_kind == "random" else None, lookup_tokens=6,
+                         tree_tokens=8)
     trees = []
     original = engine.runner.keep_branch
     engine.runner.keep_branch = lambda seq, branch: (trees.append(branch), original(seq, branch))

@@ -187,7 +187,7 @@ TREE_PROMPT = [3, 5, 7, 3, 9, 7, 3, 4, 7, 3, 6, 3]
 
 
 def _sample_trees(target, draft, temperature: float, reps: int = 4) -> tuple[list[int], list[int], int]:
-    engine = make_engine(target, draft, lookup_tokens=3)
+    engine = make_engine(target, draft, lookup_tokens=3, tree_tokens=8)
     trees = []
     original = engine.runner.keep_branch
     engine.runner.keep_branch = lambda seq, branch: (trees.append(branch), original(seq, branch))
