@@ -129,9 +129,11 @@ class SpecDecoder:
         verifying: at each drafted position the draft's runner-up (one token, where the
         drafted one may be rejected), then other continuations of the row's last tokens in
         its context. Each is chosen without the target, so verifying it keeps the output exact."""
-        if not tree.main or seq.grammar is not None:  # plain rows stay plain; grammars mask a chain
+        if not self.tree_tokens or not tree.main or seq.grammar is not None:  # grammars mask a chain
             return
         budget = self.policy.branch_budget(self.tree_tokens)
+        if budget <= 0:
+            return
         main = tree.tokens[1:tree.main + 1]
         branches = [main[:depth] + [token] for depth, token in enumerate(runners_up)]
         for branch in branches + self.lookup.alternatives(seq, self._room(seq), self.MAX_BRANCHES):
