@@ -23,11 +23,12 @@ less often than copies from a request's own context; their acceptance is tracked
 engine-wide on its own, sizes their allocation, and decides whether such a copy may take
 a round from the draft at all (`copies_from_replies`).
 
-Other continuations verified next to a round's main proposal (the branches of a tree,
-`candidate_tree.py`) cost forward time only. What their tokens kept beyond the main
-proposal, per token verified, is tracked engine-wide; they are verified while that value
-per second of forward time beats the rate the step's allocation expects, so they stay on
-at batch 1 on a CPU, where a verify row costs little, and go where rows are dear.
+Other branches verified next to a round's main proposal (a tree, `candidate_tree.py`:
+the draft's runners-up, other copies) cost forward time only. What their tokens kept beyond
+the main proposal, per token verified, is tracked engine-wide; they are verified while that
+value per second of forward time beats the rate the step's allocation expects: meant for
+where a verify row costs little next to a step, not a CPU at long context, where each row
+is milliseconds of attention (docs/bench/tree-verification.md; trees are off by default).
 """
 
 from __future__ import annotations
