@@ -131,7 +131,9 @@ class SpecDecoder:
         its context. Each is chosen without the target, so verifying it keeps the output exact."""
         if not self.tree_tokens or not tree.main or seq.grammar is not None:  # grammars mask a chain
             return
-        budget = self.policy.branch_budget(self.tree_tokens)
+        # branch nodes are stored after the main proposal: within the model's context too
+        room = self.runner.max_context - seq.num_computed - 1 - tree.main
+        budget = min(self.policy.branch_budget(self.tree_tokens), room)
         if budget <= 0:
             return
         main = tree.tokens[1:tree.main + 1]
@@ -251,8 +253,10 @@ class SpecDecoder:
     def _verify(self, seqs: list[Sequence], proposal: RoundProposal,
                 outs: list[RowOutput]) -> tuple[list[list[int]], list[int]]:
         """-> each row's kept branch (node indices from the anchor) and the target's next token."""
-        trees = [i for i, tree in enumerate(proposal.trees) if not tree.is_chain]
-        chains = [i for i in range(len(seqs)) if proposal.trees[i].is_chain]
+        # A tree that stayed a chain but grew past its main proposal (a longer copy of the
+        # same continuation) is walked too: its extra nodes are candidates to verify.
+        trees = [i for i, tree in enumerate(proposal.trees) if tree.num_candidates > tree.main]
+        chains = [i for i in range(len(seqs)) if proposal.trees[i].num_candidates == proposal.trees[i].main]
         branches: list[list[int]] = [[] for _ in seqs]
         next_tokens = [0] * len(seqs)
         if chains:
