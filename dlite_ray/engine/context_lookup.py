@@ -29,7 +29,10 @@ class NgramIndex:
     """Where each n-gram of a token list ended with a token after it, updated as the list
     grows (sequences only ever append)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sizes: tuple[int, ...] = NGRAM_SIZES) -> None:
+        """sizes: the n-gram sizes indexed (NGRAM_SIZES, or ALTERNATIVE_NGRAM_SIZES where
+        `alternatives` is asked for)."""
+        self._sizes = sizes
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._length = 0  # length at the last lookup; the n-grams ending before its last token are indexed
 
@@ -48,7 +51,7 @@ class NgramIndex:
         `tokens`: longest suffix first, then latest occurrence first."""
         self._index(tokens)
         found: list[list[int]] = []
-        for n in ALTERNATIVE_NGRAM_SIZES:
+        for n in self._sizes:
             ends = self._ends.get(tuple(tokens[-n:]), []) if len(tokens) > n else []
             for end in reversed(ends[-OCCURRENCES_LOOKED_AT:]):
                 following = tokens[end + 1:end + 1 + max_tokens]
@@ -64,7 +67,7 @@ class NgramIndex:
         if len(tokens) < self._length:
             raise ValueError("the token list shrank; an index belongs to one growing sequence")
         for end in range(max(0, self._length - 1), len(tokens) - 1):
-            for n in ALTERNATIVE_NGRAM_SIZES:
+            for n in self._sizes:
                 if end + 1 >= n:
                     self._ends.setdefault(tuple(tokens[end + 1 - n:end + 1]), []).append(end)
         self._length = len(tokens)
@@ -73,10 +76,13 @@ class NgramIndex:
 class ContextLookup:
     """One NgramIndex per live sequence (dropped with the sequence)."""
 
-    def __init__(self, max_tokens: int):
+    def __init__(self, max_tokens: int, alternatives: bool = False):
+        """alternatives: `alternatives` will be asked for (tree verification), so 1-grams are
+        indexed too; without it the index holds only what `propose` reads."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         self.max_tokens = max_tokens
+        self._sizes = ALTERNATIVE_NGRAM_SIZES if alternatives else NGRAM_SIZES
         self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
 
     def propose(self, seq: Sequence, limit: int) -> list[int]:
@@ -97,5 +103,5 @@ class ContextLookup:
     def _index(self, seq: Sequence) -> NgramIndex:
         index = self._indexes.get(seq)
         if index is None:
-            index = self._indexes[seq] = NgramIndex()
+            index = self._indexes[seq] = NgramIndex(self._sizes)
         return index

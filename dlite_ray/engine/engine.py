@@ -76,8 +76,8 @@ class DLiteEngine:
         self.reply_cache = (ReplyCache(cfg.reply_cache_tokens, DEFAULT_REPLY_CACHE_NAMESPACES)
                             if cfg.reply_cache_tokens and lookup_tokens else None)
         tree_tokens = cfg.tree_tokens if lookup_tokens else 0  # branches are copies from the context
-        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, ContextLookup(lookup_tokens),
-                                   self.reply_cache, tree_tokens)
+        lookup = ContextLookup(lookup_tokens, alternatives=bool(tree_tokens))
+        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, lookup, self.reply_cache, tree_tokens)
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_cache)
         reuse = KVReuse(target.fingerprint(), draft.info.fingerprint if draft else "none",
                         resume_boundaries=draft is not None, recompute_pivot=draft is not None and bool(taps))

@@ -255,8 +255,9 @@ class SpecDecoder:
         """-> each row's kept branch (node indices from the anchor) and the target's next token."""
         # A tree that stayed a chain but grew past its main proposal (a longer copy of the
         # same continuation) is walked too: its extra nodes are candidates to verify.
-        trees = [i for i, tree in enumerate(proposal.trees) if tree.num_candidates > tree.main]
-        chains = [i for i in range(len(seqs)) if proposal.trees[i].num_candidates == proposal.trees[i].main]
+        walked = [tree.num_candidates > tree.main for tree in proposal.trees]
+        trees = [i for i, w in enumerate(walked) if w]
+        chains = [i for i, w in enumerate(walked) if not w]
         branches: list[list[int]] = [[] for _ in seqs]
         next_tokens = [0] * len(seqs)
         if chains:

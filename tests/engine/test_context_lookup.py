@@ -45,6 +45,17 @@ def test_longest_match_wins_and_a_suffix_never_matches_itself():
     assert NgramIndex().continuation([1, 2, 3, 4], 3) == []  # nothing repeats
 
 
+def test_alternatives_are_distinct_continuations_longest_match_first():
+    from dlite_ray.engine.context_lookup import ALTERNATIVE_NGRAM_SIZES
+
+    index = NgramIndex(ALTERNATIVE_NGRAM_SIZES)
+    # "5 1 2" before 7; "1 2" also before 9; "2" also before 6
+    tokens = [5, 1, 2, 7, 8, 2, 6, 1, 2, 9, 4, 5, 1, 2]
+    assert index.alternatives(tokens, 2, 4) == [[7, 8], [9, 4], [6, 1]]
+    assert index.alternatives(tokens, 2, 1) == [[7, 8]]
+    assert NgramIndex(ALTERNATIVE_NGRAM_SIZES).alternatives([1, 2, 3], 2, 4) == []  # nothing repeats
+
+
 def test_a_shrinking_list_is_refused():
     index = NgramIndex()
     index.continuation([1, 2, 1, 2, 1], 4)

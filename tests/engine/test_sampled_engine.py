@@ -61,10 +61,14 @@ def subset_draft(small_vocab, tmp_path_factory):
 
 
 def _sample(target, draft, temperature: float, reps: int = 4) -> tuple[list[int], list[int]]:
-    engine = make_engine(target, draft)
+    return _first_two_tokens(make_engine(target, draft), PROMPT, temperature, reps)
+
+
+def _first_two_tokens(engine, prompt: list[int], temperature: float, reps: int) -> tuple[list[int], list[int]]:
+    """The first and second tokens of reps x 400 sampled replies to `prompt`, each with its own seed."""
     firsts, seconds = [], []
     for rep in range(reps):
-        out = engine.generate([PROMPT] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
+        out = engine.generate([prompt] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
                               ignore_eos=True)
         firsts += [r.token_ids[0] for r in out]
         seconds += [r.token_ids[1] for r in out]
@@ -191,12 +195,7 @@ def _sample_trees(target, draft, temperature: float, reps: int = 4) -> tuple[lis
     trees = []
     original = engine.runner.keep_branch
     engine.runner.keep_branch = lambda seq, branch: (trees.append(branch), original(seq, branch))
-    firsts, seconds = [], []
-    for rep in range(reps):
-        out = engine.generate([TREE_PROMPT] * 400, max_new_tokens=3, temperature=temperature, seed=rep * 1000,
-                              ignore_eos=True)
-        firsts += [r.token_ids[0] for r in out]
-        seconds += [r.token_ids[1] for r in out]
+    firsts, seconds = _first_two_tokens(engine, TREE_PROMPT, temperature, reps)
     return firsts, seconds, len(trees)
 
 
