@@ -29,8 +29,10 @@ test: setup
 serve: setup
 	$(BIN)/serve run deployments/dlite.yaml
 
+# every published figure: docs/bench/results.json, report.md and plots (~45 min on 2 cores);
+# `make bench ARGS=--quick` checks the harness in a few minutes (its figures are not for quoting)
 bench: setup
-	$(BIN)/dlite-ray bench --workload dev,tool-use,agentic,long-context --limit 4 --out runs/bench
+	$(BIN)/dlite-ray bench-suite --out docs/bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,5 +1,5 @@
-"""dlite-ray: one entry point (generate, fetch-model, bench, bench-runtime, bench-serve, bench-followup, loadtest,
-train, draft-vocab, gpu-check)."""
+"""dlite-ray: one entry point (generate, fetch-model, bench, bench-suite, bench-runtime, bench-serve,
+bench-followup, loadtest, train, draft-vocab, gpu-check)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--concurrency", default=None,
                        help="also measure N requests in flight, e.g. 1,4,16 (dlite vs ar, continuous batching)")
     bench.add_argument("--out", default="runs/bench")
+
+    suite = sub.add_parser("bench-suite", help="every published figure in one run (make bench): docs/bench")
+    suite.add_argument("--out", default="docs/bench", help="results.json, report.md and the plots go here")
+    suite.add_argument("--quick", action="store_true", help="every section small, in a few minutes (not figures)")
+    suite.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
 
     sv = sub.add_parser("bench-serve", help="tokens/s through the Serve app over gRPC vs the library engine")
     sv.add_argument("--workload", default="chat")
@@ -220,6 +225,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_suite(args) -> int:
+    from dlite_ray.bench.suite import run
+
+    run(args)
+    return 0
+
+
 def cmd_bench_followup(args) -> int:
     from dlite_ray.bench.followup_bench import run
 
@@ -287,7 +299,7 @@ def cmd_gpu_check(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup,
-            "loadtest": cmd_loadtest,
+            "bench-suite": cmd_bench_suite,             "loadtest": cmd_loadtest,
             "soak": cmd_soak, "train": cmd_train, "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":

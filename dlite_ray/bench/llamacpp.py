@@ -83,6 +83,7 @@ class LlamaCppMethod:
     as long as the benchmark process."""
 
     lossless = False
+    grammar = False  # its GBNF grammars are not wired to our schemas
 
     def __init__(self, name: str, gguf: Path, eos_ids: tuple[int, ...], max_context: int):
         lib = self.lib = _llama_cpp()

@@ -2,7 +2,8 @@
 
 Every method gets the same token ids and reports: generated ids, time to first token,
 decode tokens/s (tokens after the first / time from first to last token, prefill
-excluded as the paper measures) and end-to-end tokens/s, plus DLite's round statistics.
+excluded as the paper measures), end-to-end tokens/s and the request's latency, plus
+DLite's round statistics. Only our engines decode under a grammar (`grammar=True`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dlite_ray.engine.engine import DLiteEngine
+
+ASSISTANT_LAYERS = 6  # hf-assisted's draft: the target's first layers and its head (LayerSkip-style)
 
 
 @dataclass(slots=True)
@@ -30,24 +33,27 @@ class Run:
     decode_time: float = 0.0
     copied_rounds: list[bool] = field(default_factory=list)  # per round: copied from the context, not drafted
     branch_gains: list[int] = field(default_factory=list)  # per round: tokens kept beyond the main proposal (a tree)
+    latency_s: float = 0.0  # the whole request: prefill and every token
 
 
 class EngineMethod:
     """Ours: DLite (trained or oracle draft) or plain decoding, on our runtime."""
 
     lossless = True
+    grammar = True
 
     def __init__(self, name: str, engine: DLiteEngine):
         self.name, self.engine = name, engine
 
-    def run(self, ids: list[int], max_new_tokens: int) -> Run:
+    def run(self, ids: list[int], max_new_tokens: int, grammar: str | None = None) -> Run:
         start = time.perf_counter()
-        r = self.engine.generate(ids, max_new_tokens=max_new_tokens)[0]
+        r = self.engine.generate(ids, max_new_tokens=max_new_tokens, grammar=grammar)[0]
         total = time.perf_counter() - start
         s = r.stats
         return Run(r.token_ids, s.ttft or total, s.decode_tokens_per_second, len(r.token_ids) / total,
                    s.accept_lengths, s.position_accepts, s.position_trials, s.draft_time,
-                   s.verify_time, s.decode_wall_time, copied_rounds=s.copied_rounds, branch_gains=s.branch_gains)
+                   s.verify_time, s.decode_wall_time, copied_rounds=s.copied_rounds, branch_gains=s.branch_gains,
+                   latency_s=total)
 
 
 class _TimingStreamer:
@@ -69,6 +75,7 @@ class HFMethod:
     """transformers `generate`: plain, prompt lookup, or assisted by a small draft with its own KV."""
 
     lossless = True
+    grammar = False  # generate has no JSON-schema / tool-call grammar of its own
 
     def __init__(self, name: str, model, **generate_kwargs):
         self.name, self.model, self.kwargs = name, model, generate_kwargs
@@ -91,7 +98,7 @@ def timed_run(token_ids: list[int], start: float, emitted_at: list[float], count
     first = emitted_at[0] if emitted_at else end
     decode = emitted_at[-1] - first if len(emitted_at) > 1 else 0.0
     return Run(token_ids, first - start, sum(counts[1:]) / decode if decode > 0 else 0.0,
-               len(token_ids) / (end - start), decode_time=decode)
+               len(token_ids) / (end - start), decode_time=decode, latency_s=end - start)
 
 
 def truncated_draft(model, num_layers: int):
@@ -100,8 +107,3 @@ def truncated_draft(model, num_layers: int):
     draft.model.layers = draft.model.layers[:num_layers]
     draft.config.num_hidden_layers = num_layers
     return draft
-
-
-def draft_kv_bytes(num_layers: int, num_kv_heads: int, head_dim: int, context: int, bytes_per: int = 4) -> int:
-    """A draft that keeps its own history KV: grows with the context. DLite's draft keeps none."""
-    return 2 * num_layers * num_kv_heads * head_dim * context * bytes_per

@@ -1,51 +1,165 @@
-"""results.json, report.md and PNG plots of a benchmark run."""
+"""results.json, report.md and the plots of a benchmark run.
+
+Every section is drawn from results.json alone and appears only where the run measured it
+(`dlite-ray bench` measures speed; `make bench` adds the concurrency sweep, follow-up turns,
+served vs library and memory).
+"""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from dlite_ray.bench.plots import draw_plots
+
+MIB = 2**20
+
 
 def write_report(results: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    plots = _plots(results, out)
+    plots = draw_plots(results, out)
     (out / "report.md").write_text(_markdown(results, plots))
 
 
 def _markdown(results: dict, plots: list[str]) -> str:
-    m = results["machine"]
     names = list(results["methods"])
-    lines = ["# dlite-ray benchmark", "",
-             f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}.",
-             f"Command args: `{ {k: v for k, v in results['args'].items() if k != 'func'} }`", "",
-             ("Decode tokens/s (median over prompts; tokens after the first / time from first to last token), "
-              "mean accept length tau = E[A + 1] in parentheses."), "",
+    lines = ["# dlite-ray benchmark", "", *_header(results), ""]
+    lines += ["## Summary (what the README quotes)", "", readme_summary(results), "## Speed, batch 1", ""]
+    lines += _headline(results)
+    lines += _speed_table(results, names)
+    lines += _overall_table(results)
+    lines += ["Ratios of the overall medians (decode tokens/s): "
+              + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
+    lines += [line for k, v in results.get("paired_ratios", {}).items() for line in (paired_ratio_line(k, v), "")]
+    lines += _by_tag(results)
+    lines += _round_times(results, names)
+    lines += _acceptance(results)
+    lines += _skipped(results)
+    lines += _concurrency(results.get("concurrency"), results.get("concurrency_max_prompt"))
+    lines += _followup(results.get("followup"))
+    lines += _served(results.get("served"))
+    lines += _memory(results.get("memory"))
+    lines += [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def readme_summary(results: dict) -> str:
+    """The figures the README quotes, drawn from results.json alone (a test holds the README to
+    them): decode tokens/s per workload and method, dlite/ar prompt by prompt, and one line per
+    other section."""
+    names = list(results["methods"])
+    by_workload = results.get("paired_ratios_by_workload") or {}
+    lines = ["| workload | " + " | ".join(names) + " | dlite/ar per prompt |", "|---" * (len(names) + 2) + "|"]
+    for w, per in results["workloads"].items():
+        cells = [_speed_cell(per.get(n)) for n in names]
+        lines.append(f"| {w} | " + " | ".join(cells) + f" | {_ratio_cell(by_workload.get(w, {}).get('dlite/ar'))} |")
+    lines.append("")
+    sweep, followup, served, memory = (results.get(k) for k in ("concurrency", "followup", "served", "memory"))
+    if sweep:
+        lines.append("- requests in flight, dlite/ar generated tokens/s: "
+                     + ", ".join(f"{n}: {level['dlite/ar']:.2f}x" for n, level in sweep.items()))
+    if followup:
+        lines.append(f"- an agent's follow-up turn through gRPC, time to first token: "
+                     f"{followup['held_ttft_median_s']:.2f} s with its KV held, "
+                     f"{followup['evicted_ttft_median_s']:.2f} s evicted (medians)")
+    if served:
+        lines.append(f"- served through Ray Serve and gRPC (the draft in its own process): {served['ratio']:.0%} "
+                     f"of the library's decode tokens/s, {len(served['mismatched_replies'])} of "
+                     f"{served['requests']} replies different")
+    if memory:
+        last = memory["draft"]["rows"][-1]
+        lines.append(f"- at {last['context']:,} tokens a request holds {last['dlite_draft_bytes'] / 1024:.1f} KiB "
+                     f"of DLite draft state against {last['kv_draft_bytes'] / MIB:.1f} MiB of KV for a draft "
+                     f"that keeps its history (the target's KV: {last['target_kv_bytes'] / MIB:.1f} MiB)")
+    mismatches = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
+    lines.append("- greedy replies different from plain decoding: "
+                 + (", ".join(f"{n} {k}" for n, k in mismatches.items()) if mismatches else "none"))
+    return "\n".join(lines) + "\n"
+
+
+def _speed_cell(summary: dict | None) -> str:
+    if summary is None:
+        return "n/a"
+    tau = summary["mean_accept_length"]
+    return f"{summary['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else "")
+
+
+def _header(results: dict) -> list[str]:
+    m, stamp = results["machine"], results.get("stamp")
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch {m['torch']}."]
+    if stamp:
+        lines[0] += (f" Made by `{stamp['command']}` on {stamp['date']} at commit {stamp['commit']}, in "
+                     f"{stamp['minutes']:.0f} minutes; dtype {stamp['dtype']}.")
+        if stamp["quick"]:
+            lines.append("**A quick run: a check of the harness, too small to quote.**")
+        if not stamp.get("llama_cpp"):
+            lines.append("llama.cpp was not measured: llama-cpp-python is not installed "
+                         "(`pip install -e '.[llamacpp]'`; its rows are in docs/bench/cpu-step.md).")
+    args = results["args"]
+    if {"workload", "limit", "max_new_tokens", "repeats"} <= set(args):
+        lines.append(f"Speed settings: workloads `{args['workload']}` (prompts each, default {args['limit']}), "
+                     f"{args['max_new_tokens']} new tokens, {args['repeats']} interleaved repeats (per-prompt "
+                     "figures are their medians), greedy, batch 1.")
+    return lines
+
+
+def _headline(results: dict) -> list[str]:
+    """dlite against every other method per workload: per-prompt speed ratios."""
+    by_workload = results.get("paired_ratios_by_workload") or {}
+    others = list(dict.fromkeys(k for per in by_workload.values() for k in per))
+    if not others:
+        return []
+    lines = ["dlite's decode speed over each method's, prompt by prompt: median (quartiles):", "",
+             "| workload | " + " | ".join(others) + " |", "|---" * (len(others) + 1) + "|"]
+    for w, per in by_workload.items():
+        cells = [_ratio_cell(per.get(k)) for k in others]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _ratio_cell(ratio: dict | None) -> str:
+    if ratio is None:
+        return "-"
+    q1, q3 = ratio["quartiles"]
+    return f"{ratio['median']:.2f}x ({q1:.2f}-{q3:.2f})"
+
+
+def _speed_table(results: dict, names: list[str]) -> list[str]:
+    lines = [("Decode tokens/s (median over prompts, quartiles below it; tokens after the first / time from "
+              "first to last token), mean accept length tau = E[A + 1] in parentheses:"), "",
              "| workload | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for w, per in results["workloads"].items():
         cells = []
         for n in names:
-            tau = per[n]["mean_accept_length"]
-            cells.append(f"{per[n]['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else ""))
+            if n not in per:
+                cells.append("n/a")
+                continue
+            s = per[n]
+            tau = s["mean_accept_length"]
+            q = s.get("tokens_per_second_quartiles")
+            cells.append(f"{s['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else "")
+                         + (f"<br>{q[0]:.0f}-{q[1]:.0f}" if q else ""))
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
-    lines += ["", ("| overall | tokens/s | e2e tokens/s | TTFT s | tau | rounds copied from the context (their tau) "
-                   "| greedy mismatches |"), "|---|---|---|---|---|---|---|"]
+    return lines + [""]
+
+
+def _overall_table(results: dict) -> list[str]:
+    lines = [("| overall | tokens/s | e2e tokens/s | TTFT s | latency p50 / p99 s | tau | rounds copied from the "
+              "context (their tau) | greedy mismatches |"), "|---|---|---|---|---|---|---|---|"]
     for n, s in results["methods"].items():
         tau = f"{s['mean_accept_length']:.2f}" if s["mean_accept_length"] else "-"
         copied = (f"{s['copied_round_share']:.0%} ({s['mean_accept_length_copied']:.2f})"
                   if s.get("copied_round_share") else "-")
+        latency = (f"{s['latency_p50_s']:.2f} / {s['latency_p99_s']:.2f}"
+                   if s.get("latency_p50_s") is not None else "-")
         mismatches = s["greedy_mismatches"]
         if mismatches is None:
             same = s["same_replies_as_ar"]
             mismatches = "not lossless" + ("" if same is None else f": {same:.0%} of replies identical")
         lines.append(f"| {n} | {s['tokens_per_second']:.1f} | {s['e2e_tokens_per_second']:.1f} | "
-                     f"{s['ttft_s']:.3f} | {tau} | {copied} | {mismatches} |")
-    lines += ["", "Ratios (decode tokens/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in results["ratios"].items()), ""]
-    lines += [line for k, v in results.get("paired_ratios", {}).items() for line in (paired_ratio_line(k, v), "")]
-    lines += _round_times(results, names)
-    lines += _acceptance(results)
-    lines += [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
+                     f"{s['ttft_s']:.3f} | {latency} | {tau} | {copied} | {mismatches} |")
+    return lines + [""]
 
 
 def paired_ratio_line(name: str, ratio: dict) -> str:
@@ -54,17 +168,41 @@ def paired_ratio_line(name: str, ratio: dict) -> str:
             f"total tokens over total time {ratio['total']:.2f}x")
 
 
+def _by_tag(results: dict) -> list[str]:
+    """Workloads with several kinds of request (agent turns, context buckets), kind by kind."""
+    lines = []
+    for w, per in results["workloads"].items():
+        names = [n for n in per if per[n].get("by_tag")]
+        tags = list(per[names[0]]["by_tag"]) if names else []
+        if len(tags) < 2:
+            continue
+        lines += [f"{w}, request by kind: decode tokens/s (median), tau in parentheses, and the prompt length:", "",
+                  "| kind | prompt tokens | requests | " + " | ".join(names) + " |",
+                  "|---" * (len(names) + 3) + "|"]
+        for tag in tags:
+            first = per[names[0]]["by_tag"][tag]
+            cells = []
+            for n in names:
+                t = per[n]["by_tag"][tag]
+                tau = t["mean_accept_length"]
+                cells.append(f"{t['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else ""))
+            lines.append(f"| {tag} | {first['prompt_tokens']:.0f} | {first['prompts']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
 def _round_times(results: dict, names: list[str]) -> list[str]:
     """ms per round, drafting / target forward: what speed is tau divided by (our engines only)."""
-    ours = [n for n in names if all(r["accept_lengths"] for w in results["workloads"].values()
+    ours = [n for n in names if all(r["accept_lengths"] for w in results["workloads"].values() if n in w
                                     for r in w[n]["per_prompt"])]  # transformers' methods report no rounds
     if not ours:
         return []
     lines = ["Milliseconds per round (per step without a draft), drafting / target forward:", "",
              "| workload | " + " | ".join(ours) + " |", "|---" * (len(ours) + 1) + "|"]
     for w, per in results["workloads"].items():
-        splits = [_split(per[n]["per_prompt"]) for n in ours]
-        lines.append(f"| {w} | " + " | ".join(f"{s['draft']:.1f} / {s['verify']:.1f}" for s in splits) + " |")
+        splits = [round_split(per[n]["per_prompt"]) if n in per else None for n in ours]
+        lines.append(f"| {w} | " + " | ".join("n/a" if s is None else f"{s['draft']:.1f} / {s['verify']:.1f}"
+                                             for s in splits) + " |")
     return lines + [""]
 
 
@@ -86,86 +224,85 @@ def _acceptance(results: dict) -> list[str]:
     return lines + [""]
 
 
-def _plots(results: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = []
-    names = list(results["methods"])
-    workloads = list(results["workloads"])
-    # 1. decode tokens/s by workload and method
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-        ax.bar([w + i * width for w in range(len(workloads))],
-               [results["workloads"][w][n]["tokens_per_second"] for w in workloads], width, label=n)
-    ax.set_xticks([w + 0.4 - width / 2 for w in range(len(workloads))], workloads)
-    ax.set_ylabel("decode tokens/s")
-    ax.legend(fontsize=8)
-    ax.set_title("Decode speed by workload")
-    made.append(_save(fig, out, "speed_by_workload.png"))
-    # 2. per-position acceptance of the DLite draft
-    if "dlite" in results["methods"] and results["methods"]["dlite"]["per_position_acceptance"]:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for w in workloads:
-            acc = results["workloads"][w]["dlite"]["per_position_acceptance"]
-            ax.plot(range(1, len(acc) + 1), [a or 0 for a in acc], marker="o", label=w)
-        ax.set_xlabel("draft position k")
-        ax.set_ylabel("P(draft k accepted)")
-        ax.set_ylim(0, 1)
-        ax.legend(fontsize=8)
-        ax.set_title("DLite per-position acceptance")
-        made.append(_save(fig, out, "per_position_acceptance.png"))
-        # 3. accept length by prompt length
-        rows = [r for w in workloads for r in results["workloads"][w]["dlite"]["per_prompt"] if r["accept_lengths"]]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.scatter([r["prompt_tokens"] for r in rows],
-                   [sum(r["accept_lengths"]) / len(r["accept_lengths"]) for r in rows], s=14)
-        ax.set_xlabel("context (prompt tokens)")
-        ax.set_ylabel("mean accept length")
-        ax.set_title("DLite acceptance vs context length")
-        made.append(_save(fig, out, "accept_vs_context.png"))
-        # 4. time split per round
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        split = {w: _split(results["workloads"][w]["dlite"]["per_prompt"]) for w in workloads}
-        bottom = [0.0] * len(workloads)
-        for part in ("draft", "verify", "overhead"):
-            vals = [split[w][part] for w in workloads]
-            ax.bar(workloads, vals, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set_ylabel("ms per round")
-        ax.legend(fontsize=8)
-        ax.set_title("DLite time per round")
-        made.append(_save(fig, out, "time_split.png"))
-    # 5. draft-side memory vs context
-    mem = results.get("draft_memory")
-    if mem:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        ax.plot(mem["contexts"], [b / 2**20 for b in mem["kv_draft_bytes"]], marker="o", label="draft with its own KV")
-        ax.plot(mem["contexts"], [b / 2**20 for b in mem["dlite_bytes"]], marker="o", label="DLite (history-free)")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("draft state per request (MiB)")
-        ax.legend(fontsize=8)
-        ax.set_title("Draft-side memory vs context")
-        made.append(_save(fig, out, "draft_memory.png"))
-    return made
+def _skipped(results: dict) -> list[str]:
+    skipped = {w: ns for w, ns in results.get("skipped", {}).items() if ns}
+    if not skipped:
+        return []
+    return ["Not run, because they cannot decode under a grammar (a JSON schema, a forced tool call): "
+            + "; ".join(f"{w}: {', '.join(ns)}" for w, ns in skipped.items()) + ".", ""]
 
 
-def _split(rows: list[dict]) -> dict:
+def _concurrency(sweep: dict | None, max_prompt: int | None) -> list[str]:
+    if not sweep:
+        return []
+    which = f"of at most {max_prompt:,} prompt tokens" if max_prompt else ""
+    lines = ["## Requests in flight", "",
+             (f"The speed section's requests {which} (no grammar), cycled, N at a time through "
+              "the continuous-batching engine, no prefix cache (every level pays its prefill); generated tokens/s "
+              "over the wall time, request latency:"), "",
+             "| in flight | dlite tokens/s | ar tokens/s | dlite/ar | dlite latency p50 / p99 s | "
+             "ar latency p50 / p99 s | dlite tau |", "|---|---|---|---|---|---|---|"]
+    for n, level in sweep.items():
+        d, a = level["dlite"], level["ar"]
+        lines.append(f"| {n} | {d['tokens_per_second']:.1f} | {a['tokens_per_second']:.1f} | "
+                     f"{level['dlite/ar']:.2f}x | {d['latency_p50_s']:.2f} / {d['latency_p99_s']:.2f} | "
+                     f"{a['latency_p50_s']:.2f} / {a['latency_p99_s']:.2f} | {d['mean_accept_length']:.2f} |")
+    return lines + [""]
+
+
+def _followup(followup: dict | None) -> list[str]:
+    if not followup:
+        return []
+    lines = ["## An agent's follow-up turn through gRPC", "",
+             ("Time to first token of turn 2 (a tool result appended) when the conversation's KV is held by its "
+              "lease vs evicted by other traffic (the turn re-prefills its history), `dlite-ray bench-followup`:"), "",
+             "| history | history tokens | held TTFT s (cached tokens) | evicted TTFT s (cached tokens) |",
+             "|---|---|---|---|"]
+    for r in followup["rows"]:
+        h, e = r["held"], r["evicted"]
+        lines.append(f"| {r['id']} | {h['prompt_tokens']} | {h['ttft_s']:.2f} ({h['cached_prompt_tokens']}) | "
+                     f"{e['ttft_s']:.2f} ({e['cached_prompt_tokens']}) |")
+    lines += ["", f"Median: held {followup['held_ttft_median_s']:.2f} s, evicted "
+                  f"{followup['evicted_ttft_median_s']:.2f} s ({followup['speedup']:.1f}x).", ""]
+    return lines
+
+
+def _served(served: dict | None) -> list[str]:
+    if not served:
+        return []
+    return ["## Served vs library", "",
+            (f"Decode tokens/s through the Ray Serve app over gRPC (the draft in its own process, over gloo) "
+             f"{served['grpc_tps_median']:.1f} vs the library engine in-process {served['library_tps_median']:.1f}: "
+             f"{served['ratio']:.0%}, median of {served['requests']} requests each, alternating "
+             f"(`dlite-ray bench-serve`). Target-draft communication: {served['comm_ms_per_round']:.2f} ms a round. "
+             f"Served replies (T = 0) different from the library's: {len(served['mismatched_replies'])}."), ""]
+
+
+def _memory(memory: dict | None) -> list[str]:
+    if not memory:
+        return []
+    draft = memory["draft"]
+    lines = ["## Memory", "",
+             (f"What one request holds, read off a live request ({draft['dtype']}): DLite's draft state between "
+              f"rounds, the target's KV blocks, and the KV cache of a draft that keeps its own history "
+              f"({draft['kv_draft']}) after reading the same context:"), "",
+             "| context | DLite draft | target KV | KV-keeping draft |", "|---|---|---|---|"]
+    for r in draft["rows"]:
+        lines.append(f"| {r['context']} | {r['dlite_draft_bytes'] / 1024:.1f} KiB | "
+                     f"{r['target_kv_bytes'] / MIB:.1f} MiB | {r['kv_draft_bytes'] / MIB:.1f} MiB |")
+    rss = memory.get("peak_rss")
+    if rss:
+        lines += ["", f"Peak RSS of a process that loads one method and answers one request at {rss['context']} "
+                      "tokens of context: " + ", ".join(f"{n} {b / MIB:.0f} MiB" for n, b in rss["bytes"].items())
+                  + "."]
+    return lines + [""]
+
+
+def round_split(rows: list[dict]) -> dict:
+    """ms per round: drafting, target forward, and the rest."""
     rounds = sum(len(r["accept_lengths"]) for r in rows) or 1
     draft = sum(r["draft_time"] for r in rows)
     verify = sum(r["verify_time"] for r in rows)
     total = sum(r["decode_time"] for r in rows)
     return {"draft": 1e3 * draft / rounds, "verify": 1e3 * verify / rounds,
             "overhead": max(0.0, 1e3 * (total - draft - verify) / rounds)}
-
-
-def _save(fig, out: Path, name: str) -> str:
-    fig.tight_layout()
-    fig.savefig(out / name, dpi=110)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return name

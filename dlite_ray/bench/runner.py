@@ -1,5 +1,8 @@
 """`dlite-ray bench`: every method on the same prompts, interleaved, in one run.
 
+A workload is named alone or with its own prompt count ("agentic:2"); methods that cannot
+decode under a grammar (transformers', llama.cpp) skip the constrained workloads.
+
 Methods run prompt by prompt in turn (the machine is shared and noisy), after a warm-up,
 `--repeats` times; per-prompt figures are medians. Greedy outputs of every lossless
 method are compared with plain decoding on our runtime and any mismatch is reported.
@@ -11,12 +14,13 @@ import logging
 import statistics
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from tqdm import tqdm
 
 from dlite_ray.bench.llamacpp import LLAMACPP_METHODS, LlamaCppMethod, bf16_copy
 from dlite_ray.bench.machine import machine_info
-from dlite_ray.bench.methods import EngineMethod, HFMethod, Run, draft_kv_bytes, truncated_draft
+from dlite_ray.bench.methods import ASSISTANT_LAYERS, EngineMethod, HFMethod, Run, truncated_draft
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
@@ -29,10 +33,26 @@ from dlite_ray.runtime.model_store import default_gguf_path
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
                "dlite-nolookup", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
-ASSISTANT_LAYERS = 6
+HF_METHODS = ("hf", "hf-prompt-lookup", "hf-assisted")
+CONCURRENCY_MAX_PROMPT = 1024  # prompt tokens of the requests the concurrency sweep sends
+
+
+class BenchRequest(NamedTuple):
+    id: str
+    tag: str
+    ids: list[int]
+    grammar: str | None = None  # every method that runs it decodes under this grammar
 
 
 def run(args) -> dict:
+    """`dlite-ray bench`: measure, then write results.json, report.md and the plots."""
+    results = measure_all(args)
+    write_report(results, Path(args.out))
+    _print_table(results)
+    return results
+
+
+def measure_all(args) -> dict:
     methods_wanted = [m.strip() for m in args.methods.split(",")]
     unknown = set(methods_wanted) - set(ALL_METHODS)
     if unknown:
@@ -40,42 +60,56 @@ def run(args) -> dict:
     args.dtype = resolve_dtype(args.dtype, "cpu")  # every method in the dtype "auto" picks here
     dlite = DLiteEngine.from_pretrained(args.target, args.draft, dtype=args.dtype)
     ar = DLiteEngine(dlite.target, dlite.tokenizer, None)
-    workloads = [w.strip() for w in args.workload.split(",")]
+    workloads = dict(_workload_limit(w, args.limit) for w in args.workload.split(","))
     # References come from an engine of their own: the measured engines must see the same
     # requests in the same order, or their prefix caches hold prompt KV computed in other
     # chunks, which rounds differently in bf16 (plain decoding itself then differs in ties).
     reference = DLiteEngine(dlite.target, dlite.tokenizer, None)
-    prompts = {w: expand(load_workload(w, args.limit), reference, args.max_new_tokens) for w in workloads}
+    prompts = {w: expand(load_workload(w, n), reference, args.max_new_tokens) for w, n in workloads.items()}
     del reference
     methods = build_methods(methods_wanted, dlite, ar, prompts, args)
-    results = {"machine": machine_info(), "args": vars(args), "workloads": {}}
+    results = {"machine": machine_info(), "args": vars(args), "workloads": {}, "skipped": {}}
     for w, items in prompts.items():
-        results["workloads"][w] = measure(methods, items, args)
+        able = methods_for(methods, items)
+        results["skipped"][w] = sorted(set(methods) - set(able))
+        results["workloads"][w] = measure(able, items, args)
     results["methods"] = _overall(results["workloads"])
     results["ratios"] = _ratios(results["methods"])
     results["paired_ratios"] = _paired_ratios(results["workloads"])
-    results["draft_memory"] = _draft_memory(dlite)
+    results["paired_ratios_by_workload"] = _paired_ratios_by_workload(results["workloads"])
     if args.concurrency:
         levels = [int(c) for c in str(args.concurrency).split(",")]
-        items = [ids for w in prompts.values() for _, _, ids in w]
-        # no prefix cache here: every level pays its own prefill, as fresh requests would
+        # short requests only (at 32 in flight, 4K-token agent turns would measure prefill alone);
+        # no prefix cache: every level pays its own prefill, as fresh requests would
+        items = [r.ids for w in prompts.values() for r in w
+                 if r.grammar is None and len(r.ids) <= CONCURRENCY_MAX_PROMPT]
         lookup = dlite.lookup_tokens
         engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=n, enable_prefix_cache=False)
                    for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
         results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
-    out = Path(args.out)
-    write_report(results, out)
-    _print_table(results)
+        results["concurrency_max_prompt"] = CONCURRENCY_MAX_PROMPT
     return results
 
 
-def expand(items: list[Item], ar: DLiteEngine, max_new_tokens: int) -> list[tuple[str, str, list[int]]]:
-    """(id, tag, token ids) per measured request. Agentic items become one request per
-    turn, the history grown with the *reference* replies so every method sees the same."""
+def _workload_limit(spec: str, default: int) -> tuple[str, int]:
+    """"agentic:2" -> ("agentic", 2); "chat" -> ("chat", default)."""
+    name, _, limit = spec.strip().partition(":")
+    return name, int(limit) if limit else default
+
+
+def methods_for(methods: dict, items: list[BenchRequest]) -> dict:
+    """The methods that can run every request of a workload: under a grammar, only ours."""
+    needs_grammar = any(r.grammar is not None for r in items)
+    return {n: m for n, m in methods.items() if m.grammar or not needs_grammar}
+
+
+def expand(items: list[Item], ar: DLiteEngine, max_new_tokens: int) -> list[BenchRequest]:
+    """One measured request per item, and per later turn of an agentic item: its history
+    grown with the *reference* replies, so every method sees the same."""
     out = []
     for item in items:
         ids = ar.encode(item.payload)
-        out.append((item.id, item.tag or "turn-1", ids))
+        out.append(BenchRequest(item.id, item.tag or "turn-1", ids, item.grammar))
         messages = list(item.messages or [])
         for turn, text in enumerate(item.later_turns, start=2):
             reply = ar.generate(ar.encode(messages), max_new_tokens=max_new_tokens)[0]
@@ -84,19 +118,13 @@ def expand(items: list[Item], ar: DLiteEngine, max_new_tokens: int) -> list[tupl
             ids = ar.encode(messages)
             if len(ids) + max_new_tokens >= ar.runner.max_context:
                 break
-            out.append((f"{item.id}#{turn}", f"turn-{turn}", ids))
+            out.append(BenchRequest(f"{item.id}#{turn}", f"turn-{turn}", ids))
     return out
 
 
 def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts, args) -> dict:
     methods: dict = {}
-    hf = None
-    if any(n.startswith("hf") for n in names):
-        from transformers import AutoModelForCausalLM
-
-        from dlite_ray.runtime.model_store import default_model_dir
-
-        hf = AutoModelForCausalLM.from_pretrained(args.target or default_model_dir(), dtype=DTYPES[args.dtype]).eval()
+    hf = hf_target(args.target, args.dtype) if any(n in HF_METHODS for n in names) else None
     lookup = dlite.lookup_tokens  # context lookup as in `dlite`, unless the method is about it
     for name in names:
         if name == "dlite":
@@ -124,21 +152,34 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         elif name == "ar":
             methods[name] = EngineMethod(name, ar)
         elif name == "oracle":
-            refs = [ids + ar.generate(ids, max_new_tokens=args.max_new_tokens)[0].token_ids
-                    for items in prompts.values() for _, _, ids in items]
+            refs = [r.ids + ar.generate(r.ids, max_new_tokens=args.max_new_tokens, grammar=r.grammar)[0].token_ids
+                    for items in prompts.values() for r in items]
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, OracleDraftTransport(refs),
                                                            lookup_tokens=0))  # the draft's ceiling, alone
-        elif name == "hf":
-            methods[name] = HFMethod(name, hf)
-        elif name == "hf-prompt-lookup":
-            methods[name] = HFMethod(name, hf, prompt_lookup_num_tokens=10)
-        elif name == "hf-assisted":
-            methods[name] = HFMethod(name, hf, assistant_model=truncated_draft(hf, ASSISTANT_LAYERS))
+        elif name in HF_METHODS:
+            methods[name] = hf_method(name, hf)
         elif name in LLAMACPP_METHODS:
             gguf = _target_gguf(args.target)
             methods[name] = LlamaCppMethod(name, bf16_copy(gguf) if name == "llama.cpp-bf16" else gguf,
                                            dlite.eos_ids, dlite.runner.max_context)
     return methods
+
+
+def hf_target(target: str | None, dtype: str):
+    """The target as transformers loads it (the default model's converted checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    from dlite_ray.runtime.model_store import default_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(target or default_model_dir(), dtype=DTYPES[dtype]).eval()
+
+
+def hf_method(name: str, hf) -> HFMethod:
+    if name == "hf-prompt-lookup":
+        return HFMethod(name, hf, prompt_lookup_num_tokens=10)
+    if name == "hf-assisted":
+        return HFMethod(name, hf, assistant_model=truncated_draft(hf, ASSISTANT_LAYERS))
+    return HFMethod(name, hf)
 
 
 def _target_gguf(target: str | None) -> Path:
@@ -150,24 +191,29 @@ def _target_gguf(target: str | None) -> Path:
     return Path(target)
 
 
-def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dict:
-    first_ids = items[0][2]
+def measure(methods: dict, items: list[BenchRequest], args) -> dict:
+    """Every method on every request, `args.repeats` times, the methods taking turns per
+    request (their order reversed on every other repeat), after a warm-up."""
+    items = [BenchRequest(*r) for r in items]
     for m in methods.values():  # warm-up
-        m.run(first_ids, 8)
+        _run(m, items[0], 8)
     rows = {name: [] for name in methods}
-    for pid, tag, ids in tqdm(items, desc="prompts", unit="prompt"):
+    for request in tqdm(items, desc="prompts", unit="prompt"):
         runs: dict[str, list[Run]] = {name: [] for name in methods}
-        for _ in range(args.repeats):
-            for name, m in methods.items():
-                runs[name].append(m.run(ids, args.max_new_tokens))
+        for rep in range(args.repeats):
+            order = list(methods.items()) if rep % 2 == 0 else list(methods.items())[::-1]
+            for name, m in order:
+                runs[name].append(_run(m, request, args.max_new_tokens))
         reference = runs["ar"][0].token_ids if "ar" in runs else None
         for name, rs in runs.items():
             r0 = rs[0]
             rows[name].append({
-                "id": pid, "tag": tag, "prompt_tokens": len(ids), "new_tokens": len(r0.token_ids),
+                "id": request.id, "tag": request.tag, "prompt_tokens": len(request.ids),
+                "new_tokens": len(r0.token_ids),
                 "decode_tps": statistics.median(r.decode_tps for r in rs),
                 "e2e_tps": statistics.median(r.e2e_tps for r in rs),
                 "ttft_s": statistics.median(r.ttft_s for r in rs),
+                "latency_s": statistics.median(r.latency_s for r in rs),
                 "accept_lengths": r0.accept_lengths, "copied_rounds": r0.copied_rounds,
                 "branch_gains": r0.branch_gains,
                 "position_accepts": r0.position_accepts,
@@ -182,6 +228,12 @@ def measure(methods: dict, items: list[tuple[str, str, list[int]]], args) -> dic
     return {name: summarize(rs) for name, rs in rows.items()}
 
 
+def _run(method, request: BenchRequest, max_new_tokens: int) -> Run:
+    if request.grammar is None:  # transformers' and llama.cpp's methods take no grammar
+        return method.run(request.ids, max_new_tokens)
+    return method.run(request.ids, max_new_tokens, grammar=request.grammar)
+
+
 def summarize(rows: list[dict]) -> dict:
     lengths = [a for r in rows for a in r["accept_lengths"]]
     copied = [c for r in rows for c in r["copied_rounds"]]
@@ -189,8 +241,13 @@ def summarize(rows: list[dict]) -> dict:
     k = max((len(r["position_trials"]) for r in rows), default=0)
     accepts = [sum(r["position_accepts"][j] for r in rows if len(r["position_accepts"]) > j) for j in range(k)]
     trials = [sum(r["position_trials"][j] for r in rows if len(r["position_trials"]) > j) for j in range(k)]
+    speeds = [r["decode_tps"] for r in rows]
+    latencies = [r["latency_s"] for r in rows if "latency_s" in r]
     return {
-        "tokens_per_second": statistics.median(r["decode_tps"] for r in rows),
+        "tokens_per_second": statistics.median(speeds),
+        "tokens_per_second_quartiles": quartiles(speeds),
+        "latency_p50_s": percentile(latencies, 50),
+        "latency_p99_s": percentile(latencies, 99),
         "e2e_tokens_per_second": statistics.median(r["e2e_tps"] for r in rows),
         "ttft_s": statistics.median(r["ttft_s"] for r in rows),
         "mean_accept_length": _mean(lengths),
@@ -206,8 +263,40 @@ def summarize(rows: list[dict]) -> dict:
         "greedy_mismatches": (sum(1 for r in rows if r["matches_ar"] is False)
                               if all(r["lossless"] for r in rows) else None),
         "same_replies_as_ar": _mean([r["matches_ar"] for r in rows if r["matches_ar"] is not None]),
+        "by_tag": _by_tag(rows),
         "per_prompt": rows,
     }
+
+
+def _by_tag(rows: list[dict]) -> dict:
+    """Per tag (an agentic turn, a context bucket): median decode tokens/s, tau, prompt tokens."""
+    out = {}
+    for tag in dict.fromkeys(r["tag"] for r in rows):
+        mine = [r for r in rows if r["tag"] == tag]
+        lengths = [a for r in mine for a in r["accept_lengths"]]
+        out[tag] = {"tokens_per_second": statistics.median(r["decode_tps"] for r in mine),
+                    "mean_accept_length": _mean(lengths), "prompts": len(mine),
+                    "prompt_tokens": statistics.median(r["prompt_tokens"] for r in mine)}
+    return out
+
+
+def quartiles(values: list[float]) -> list[float] | None:
+    """[q1, q3] (inclusive method: defined from two values on)."""
+    if len(values) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q3]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile, interpolated between the nearest ranks."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def _mean(values: list) -> float | None:
@@ -217,8 +306,8 @@ def _mean(values: list) -> float | None:
 def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]], levels: list[int],
                         max_new_tokens: int, repeats: int = 1) -> dict:
     """N requests in flight through the continuous-batching engine: throughput (generated
-    tokens / wall time) and mean request latency, each engine on the same requests,
-    engines alternating, medians over `repeats`."""
+    tokens / wall time) and request latency (mean, p50, p99), each engine on the same
+    requests, engines alternating, medians over `repeats`."""
     out: dict = {}
     for n in levels:
         batch = [items[i % len(items)] for i in range(n)]
@@ -231,9 +320,11 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
                 start = time.perf_counter()
                 results = engine.generate(batch, max_new_tokens=max_new_tokens)
                 wall = time.perf_counter() - start
+                latencies = [r.stats.ttft + r.stats.decode_wall_time for r in results]
                 runs[name].append({
                     "tokens_per_second": sum(len(r.token_ids) for r in results) / wall,
-                    "mean_latency_s": statistics.mean(r.stats.ttft + r.stats.decode_wall_time for r in results),
+                    "mean_latency_s": statistics.mean(latencies),
+                    "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
                     "mean_accept_length": statistics.mean(r.stats.mean_accept_length for r in results)})
         out[str(n)] = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         ratio = out[str(n)]["dlite"]["tokens_per_second"] / out[str(n)]["ar"]["tokens_per_second"]
@@ -244,11 +335,12 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
 
 
 def _overall(workloads: dict) -> dict:
-    names = next(iter(workloads.values())).keys()
+    """Per method, over the workloads it ran (a grammar-constrained one runs ours only)."""
+    names = dict.fromkeys(n for w in workloads.values() for n in w)
     out = {}
     for name in names:
-        rows = [r for w in workloads.values() for r in w[name]["per_prompt"]]
-        out[name] = {k: v for k, v in summarize(rows).items() if k != "per_prompt"}
+        rows = [r for w in workloads.values() if name in w for r in w[name]["per_prompt"]]
+        out[name] = {k: v for k, v in summarize(rows).items() if k not in ("per_prompt", "by_tag")}
     return out
 
 
@@ -264,33 +356,36 @@ def _paired_ratios(workloads: dict) -> dict:
     """dlite against each other method prompt by prompt (both ran each prompt back to back),
     which a shared machine's drifting speed disturbs less than a ratio of two medians:
     the median and quartiles of the per-prompt ratios, and total tokens over total time."""
-    rows = {n: [r for w in workloads.values() for r in w[n]["per_prompt"]] for n in next(iter(workloads.values()))}
-    if "dlite" not in rows:
-        return {}
-    mine = rows.pop("dlite")
+    names = [n for n in dict.fromkeys(n for w in workloads.values() for n in w) if n != "dlite"]
     out = {}
-    for name, theirs in rows.items():
-        ratios = [a["decode_tps"] / b["decode_tps"] for a, b in zip(mine, theirs, strict=True)
-                  if a["decode_tps"] and b["decode_tps"]]
-        if len(ratios) < 2:
-            continue
-        q1, median, q3 = statistics.quantiles(ratios, n=4)
-        total = _total_rate(mine) / _total_rate(theirs)
-        out[f"dlite/{name}"] = {"median": median, "quartiles": [q1, q3], "total": total}
+    for name in names:
+        both = [w for w in workloads.values() if "dlite" in w and name in w]
+        ratio = paired_ratio([r for w in both for r in w["dlite"]["per_prompt"]],
+                             [r for w in both for r in w[name]["per_prompt"]])
+        if ratio is not None:
+            out[f"dlite/{name}"] = ratio
     return out
+
+
+def _paired_ratios_by_workload(workloads: dict) -> dict:
+    return {w: {f"dlite/{n}": r for n in per if n != "dlite"
+                if "dlite" in per and (r := paired_ratio(per["dlite"]["per_prompt"], per[n]["per_prompt"]))}
+            for w, per in workloads.items()}
+
+
+def paired_ratio(mine: list[dict], theirs: list[dict]) -> dict | None:
+    """Median and quartiles of the per-prompt decode-speed ratios, and their totals' ratio."""
+    ratios = [a["decode_tps"] / b["decode_tps"] for a, b in zip(mine, theirs, strict=True)
+              if a["decode_tps"] and b["decode_tps"]]
+    if len(ratios) < 2:
+        return None
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"median": median, "quartiles": [q1, q3], "total": _total_rate(mine) / _total_rate(theirs)}
 
 
 def _total_rate(rows: list[dict]) -> float:
     """Decode tokens (after the first) over decode time, summed over the prompts."""
     return sum(r["new_tokens"] - 1 for r in rows) / sum(r["decode_time"] for r in rows)
-
-
-def _draft_memory(engine: DLiteEngine) -> dict:
-    cfg = engine.target.cfg
-    contexts = [1024, 2048, 4096, 8192]
-    return {"contexts": contexts, "dlite_bytes": [0 for _ in contexts],
-            "kv_draft_bytes": [draft_kv_bytes(ASSISTANT_LAYERS, cfg.num_kv_heads, cfg.head_dim, c) for c in contexts],
-            "note": f"draft-side state per request; the KV draft is the {ASSISTANT_LAYERS}-layer assistant"}
 
 
 def _first_mismatch(a: list[int], b: list[int]) -> int | None:

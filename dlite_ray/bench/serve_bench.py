@@ -1,7 +1,7 @@
 """`dlite-ray bench-serve`: tokens/s through the Ray Serve app over gRPC (target and
 draft in two processes over gloo) vs the in-process library engine, same prompts, one run,
 one request at a time, the two alternating; and whether every served reply (T = 0) has the
-library's tokens. Starts a local Ray + Serve on loopback ports and tears it down."""
+library's tokens. Starts the app on loopback (`loadtest.local_app`) and tears it down."""
 
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ from tqdm import tqdm
 from dlite_ray.bench.workloads import load_workload
 from dlite_ray.engine.engine import DLiteEngine
 
-HTTP_PORT, GRPC_PORT = 18100, 19100
 
-
-def _grpc_run(stub, messages: list[dict], max_tokens: int) -> tuple[float, list[int]]:
+def _grpc_run(stub, metadata, messages: list[dict], max_tokens: int) -> tuple[float, list[int]]:
     """Decode tokens/s of one served reply (from its first chunk to its last) and its tokens."""
     from dlite_ray.serve.proto import dlite_pb2
 
     req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in messages], max_tokens=max_tokens)
     times, tokens, first_count = [], [], 0
-    for chunk in stub.Generate(req, metadata=(("application", "dlite"),), timeout=600):
+    for chunk in stub.Generate(req, metadata=metadata, timeout=600):
         times.append(time.perf_counter())
         tokens.extend(chunk.token_ids)
         if len(times) == 1:
@@ -33,41 +31,34 @@ def _grpc_run(stub, messages: list[dict], max_tokens: int) -> tuple[float, list[
 
 def run(args) -> dict:
     import grpc
-    import ray
     from ray import serve
 
-    from dlite_ray.serve.app import build_app
-    from dlite_ray.serve.config import AppArgs, EngineArgs
+    from dlite_ray.bench.loadtest import GRPC_PORT, local_app
+    from dlite_ray.serve.config import EngineArgs
     from dlite_ray.serve.proto import dlite_pb2_grpc
 
     items = [i for w in args.workload.split(",") for i in load_workload(w, args.limit)]
-    library = DLiteEngine.from_pretrained(None, "default", enable_prefix_cache=False)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT}, grpc_options={
-        "port": GRPC_PORT, "grpc_servicer_functions": [
-            "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
-    engine = EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads)
-    serve.run(build_app(AppArgs(engine=engine)), name="dlite", route_prefix="/")
-    worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
-    while not worker.stats.remote().result().draft_connected:
-        time.sleep(0.5)
-    stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
-    _grpc_run(stub, items[0].messages, 8)
-    library.generate(items[0].messages, max_new_tokens=8)
-    served, lib, rounds, mismatched = [], [], 0, []
-    comm_before = worker.stats.remote().result().draft_comm_time_s
-    for item in tqdm(items, desc="bench-serve", unit="prompt"):
-        for _ in range(args.repeats):
-            tps, tokens = _grpc_run(stub, item.messages, args.max_new_tokens)
-            served.append(tps)
-            r = library.generate(item.messages, max_new_tokens=args.max_new_tokens)[0]
-            lib.append(r.stats.decode_tokens_per_second)
-            rounds += len(r.stats.accept_lengths)
-            if tokens != r.token_ids:
-                mismatched.append(item.id)
-    comm = worker.stats.remote().result().draft_comm_time_s - comm_before
-    serve.shutdown()
-    ray.shutdown()
+    dtype = getattr(args, "dtype", "auto")
+    library = DLiteEngine.from_pretrained(None, "default", dtype=dtype, enable_prefix_cache=False)
+    engine = EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads, dtype=dtype)
+    with local_app(engine, tenants=1) as keys:
+        metadata = (("application", "dlite"), ("authorization", f"Bearer {keys[0]}"))
+        worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
+        stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
+        _grpc_run(stub, metadata, items[0].messages, 8)
+        library.generate(items[0].messages, max_new_tokens=8)
+        served, lib, rounds, mismatched = [], [], 0, []
+        comm_before = worker.stats.remote().result().draft_comm_time_s
+        for item in tqdm(items, desc="bench-serve", unit="prompt"):
+            for _ in range(args.repeats):
+                tps, tokens = _grpc_run(stub, metadata, item.messages, args.max_new_tokens)
+                served.append(tps)
+                r = library.generate(item.messages, max_new_tokens=args.max_new_tokens)[0]
+                lib.append(r.stats.decode_tokens_per_second)
+                rounds += len(r.stats.accept_lengths)
+                if tokens != r.token_ids:
+                    mismatched.append(item.id)
+        comm = worker.stats.remote().result().draft_comm_time_s - comm_before
     out = {"grpc_tps_median": statistics.median(served), "library_tps_median": statistics.median(lib),
            "ratio": statistics.median(served) / statistics.median(lib),
            "comm_ms_per_round": 1e3 * comm / max(1, rounds), "requests": len(served),

@@ -2,10 +2,12 @@
 
 - dev:          the training pipeline's held-out dev split (mixed kinds)
 - chat:         general instructions the draft never saw
+- code:         the dev split's code tasks (explain a standard-library function)
 - tool-use:     single-turn tool calls with schemas (BFCL_v4_multiple: not a training file)
 - agentic:      multi-turn tool loops replayed turn by turn (BFCL_v4_multi_turn_long_context,
                 not a training file): each turn appends a tool result and the next request
 - long-context: prompts of ~2K / 4K / 7K tokens over Python standard-library source
+- structured, forced-tools: replies under a grammar (`constrained.py`)
 - any JSONL file: {"id", "messages"} or {"id", "prompt"} per line
 """
 
@@ -17,6 +19,7 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dlite_ray.bench.constrained import forced_tool_requests, structured_requests
 from dlite_ray.training.prompts import (
     CLASS_DOCS,
     _bfcl_single_turn,
@@ -26,7 +29,7 @@ from dlite_ray.training.prompts import (
     build_prompt_set,
 )
 
-WORKLOADS = ("dev", "chat", "tool-use", "agentic", "long-context")
+WORKLOADS = ("dev", "chat", "code", "tool-use", "agentic", "long-context", "structured", "forced-tools")
 HELD_OUT_CHAT = [
     "Explain the difference between a stack and a queue.",
     "Write a Python function that counts the vowels in a string.",
@@ -47,6 +50,7 @@ class Item:
     prompt: str | None = None
     later_turns: list[str] = field(default_factory=list)  # agentic: replayed after each reply
     tag: str = ""  # e.g. the context-length bucket
+    grammar: str | None = None  # every reply is decoded under it (structured output, a forced call)
 
     @property
     def payload(self):
@@ -57,6 +61,12 @@ def load_workload(name: str, limit: int, seed: int = 0) -> list[Item]:
     rng = random.Random(seed)
     if name == "dev":
         return [Item(s.id, s.messages, tag=s.kind) for s in build_prompt_set().dev[:limit]]
+    if name == "code":
+        return [Item(s.id, s.messages, tag="code") for s in build_prompt_set().dev if s.kind == "code"][:limit]
+    if name == "structured":
+        return [Item(i, m, tag="json", grammar=g) for i, m, g in structured_requests(limit)]
+    if name == "forced-tools":
+        return [Item(i, m, tag="call", grammar=g) for i, m, g in forced_tool_requests(limit)]
     if name == "chat":
         return [Item(f"chat-{i}", [{"role": "user", "content": t}]) for i, t in enumerate(HELD_OUT_CHAT[:limit])]
     if name == "tool-use":
@@ -97,13 +107,17 @@ def _agentic(limit: int, rng: random.Random) -> list[Item]:
 
 
 def _long_context(limit: int) -> list[Item]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    source = "".join((root / f).read_text() for f in ("textwrap.py", "shlex.py", "fractions.py", "argparse.py"))
     items = []
     for tokens in (2000, 4000, 7000)[: max(1, limit)]:
-        chars = tokens * 3  # ~3 characters per token for Python source with this tokenizer
-        text = source[:chars]
+        text = long_context_text(tokens * 3)  # ~3 characters per token for Python source with this tokenizer
         content = (f"Here is some Python code:\n```python\n{text}\n```\n"
                    "Summarise what the last function above does.")
         items.append(Item(f"long-{tokens}", [{"role": "user", "content": content}], tag=f"{tokens // 1000}K"))
     return items
+
+
+def long_context_text(chars: int) -> str:
+    """The first `chars` characters of some standard-library source (~120K in all)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = ("textwrap.py", "shlex.py", "fractions.py", "argparse.py", "difflib.py", "inspect.py")
+    return "".join((root / f).read_text() for f in files)[:chars]

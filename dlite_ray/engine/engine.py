@@ -179,6 +179,7 @@ class DLiteEngine:
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] = (), ignore_eos: bool = False,
                  trace_top_k: int = 0, logprobs: int | None = None, json_schema: str | None = None,
+                 grammar: str | None = None,
                  callback: Callable[[int, list[int]], None] | None = None) -> list[GenerationResult]:
         """Generate for one prompt or a batch; each request advances by its own acceptance.
 
@@ -190,11 +191,14 @@ class DLiteEngine:
         output token's logprob and the n most likely tokens' (`engine/logprobs.py`).
         `json_schema` (a schema as JSON text) constrains every reply to JSON it accepts
         (`engine/structured_output.py`); a reply whose grammar fails midway (a parser limit)
-        ends with finish_reason "error" and `GenerationResult.error` saying why.
+        ends with finish_reason "error" and `GenerationResult.error` saying why. `grammar` is
+        one already compiled (`grammar_for_schema`, `grammar_for_calls`: a forced tool call).
         """
+        if json_schema is not None and grammar is not None:
+            raise InvalidRequest("give json_schema or grammar, not both")
         batch = prompts if is_batch(prompts) else [prompts]
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
-        grammar = None if json_schema is None else grammar_for_schema(json_schema)
+        grammar = grammar if json_schema is None else grammar_for_schema(json_schema)
         seqs = []
         for i, ids in enumerate(encoded):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -1,0 +1,115 @@
+"""`dlite-ray bench-suite` (`make bench`): every published figure, remade by one command.
+
+Sections, run one after another on this machine (each writes into one results.json):
+1. speed: every workload x dlite, ar and transformers' methods (llama.cpp where its extra
+   is installed), interleaved repeats (`runner.measure_all`), with a concurrency sweep;
+2. follow-up turns through gRPC, the conversation held vs evicted (`followup_bench`);
+3. served (Ray Serve, gRPC, the draft in its own process) vs library tokens/s (`serve_bench`);
+4. memory: a request's draft state and target KV at 1K / 4K / 8K, peak RSS per method (`memory`).
+Then report.md and the plots (`report`), stamped with the machine, dtype, commit and date.
+`--quick` runs every section small, in a few minutes: a check of the harness, not figures.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+from dlite_ray.bench import followup_bench, serve_bench
+from dlite_ray.bench.llamacpp import LLAMACPP_METHODS
+from dlite_ray.bench.memory import CONTEXTS, measure_draft_memory, measure_peak_rss
+from dlite_ray.bench.report import write_report
+from dlite_ray.bench.runner import HF_METHODS, measure_all
+from dlite_ray.engine.engine_config import resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    workloads: str  # name or name:limit, comma separated
+    limit: int
+    max_new_tokens: int
+    repeats: int
+    concurrency: str
+    followup_items: int
+    serve_workloads: str
+    serve_limit: int
+    serve_repeats: int
+    memory_contexts: tuple[int, ...]
+    rss_methods: tuple[str, ...]
+
+
+FULL = Plan(workloads="chat,code,tool-use,agentic:2,long-context:2,structured,forced-tools", limit=4,
+            max_new_tokens=96, repeats=3, concurrency="1,4,16,32", followup_items=2,
+            serve_workloads="chat,code", serve_limit=2, serve_repeats=2, memory_contexts=CONTEXTS,
+            rss_methods=("dlite", "ar", *HF_METHODS))
+QUICK = Plan(workloads="chat:1,agentic:1,structured:1", limit=1, max_new_tokens=24, repeats=1,
+             concurrency="1,4", followup_items=1, serve_workloads="chat", serve_limit=1, serve_repeats=1,
+             memory_contexts=(1024,), rss_methods=("dlite",))
+
+
+def run(args) -> dict:
+    plan = QUICK if args.quick else FULL
+    dtype = resolve_dtype(args.dtype, "cpu")
+    started = time.perf_counter()
+    timings = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        log.info("bench-suite: %s", name)
+        out = fn()
+        timings[name] = time.perf_counter() - t0
+        return out
+
+    methods = _methods(args.quick)
+    speed_args = SimpleNamespace(workload=plan.workloads, methods=",".join(methods), target=None,
+                                 draft="default", draft_b="default", dtype=dtype, limit=plan.limit,
+                                 max_new_tokens=plan.max_new_tokens, repeats=plan.repeats,
+                                 concurrency=plan.concurrency, out=args.out)
+    results = timed("speed", lambda: measure_all(speed_args))
+    results["followup"] = timed("followup", lambda: followup_bench.run(SimpleNamespace(
+        limit=plan.followup_items, max_tokens=16, kv_tokens=12288)))
+    results["served"] = timed("served", lambda: serve_bench.run(SimpleNamespace(
+        workload=plan.serve_workloads, limit=plan.serve_limit, repeats=plan.serve_repeats,
+        max_new_tokens=plan.max_new_tokens, cpu_threads=None, dtype=dtype)))
+    results["memory"] = timed("memory", lambda: {
+        "draft": measure_draft_memory(None, "default", dtype, plan.memory_contexts),
+        "peak_rss": measure_peak_rss(list(plan.rss_methods), dtype)})
+    results["stamp"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                        "commit": _commit(), "dtype": dtype, "quick": args.quick,
+                        "command": "make bench" + (" ARGS=--quick" if args.quick else ""),
+                        "llama_cpp": any(m in LLAMACPP_METHODS for m in methods),
+                        "minutes": (time.perf_counter() - started) / 60,
+                        "section_minutes": {k: v / 60 for k, v in timings.items()}}
+    write_report(results, Path(args.out))
+    log.info("bench-suite: wrote %s in %.1f min", args.out, results["stamp"]["minutes"])
+    return results
+
+
+def _methods(quick: bool) -> list[str]:
+    """dlite, ar and transformers' methods; llama.cpp too where its extra is installed."""
+    if quick:
+        return ["dlite", "ar", "hf"]
+    methods = ["dlite", "ar", *HF_METHODS]
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        log.info("llama-cpp-python is not installed (pip install -e '.[llamacpp]'): no llama.cpp rows")
+    else:
+        methods += list(LLAMACPP_METHODS)
+    return methods
+
+
+def _commit() -> str:
+    """HEAD, marked dirty where tracked files differ from it (the report then says so)."""
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=False).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
