@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import resource
 import subprocess
 import sys
 
@@ -36,7 +35,7 @@ NEW_TOKENS = 16
 
 def context_ids(tokenizer, tokens: int) -> list[int]:
     """A prompt that, with `NEW_TOKENS` generated, fills `tokens` positions: Python source."""
-    ids = tokenizer(long_context_text(tokens * 4))["input_ids"]
+    ids = tokenizer(long_context_text(tokens * 8))["input_ids"]  # 3-5 characters a token
     if len(ids) < tokens - NEW_TOKENS:
         raise ValueError(f"the source text is shorter than {tokens} tokens")
     return ids[: tokens - NEW_TOKENS]
@@ -117,7 +116,15 @@ def _one_method_peak(name: str, dtype: str, context: int) -> int:
     else:
         raise ValueError(f"no peak-RSS measurement for method {name!r}")
     method.run(context_ids(tokenizer, context), NEW_TOKENS)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_rss_bytes()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS. Not getrusage's ru_maxrss: Linux keeps that across exec, so a
+    child forked from a large parent would report the parent's size."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib * 1024
 
 
 def main() -> None:

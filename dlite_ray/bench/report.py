@@ -81,8 +81,14 @@ def readme_summary(results: dict) -> str:
 def _speed_cell(summary: dict | None) -> str:
     if summary is None:
         return "n/a"
-    tau = summary["mean_accept_length"]
-    return f"{summary['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else "")
+    return f"{summary['tokens_per_second']:.1f}" + _tau(summary)
+
+
+def _tau(summary: dict) -> str:
+    """" (tau)" where the method speculated (drafted or copied); nothing for plain decoding."""
+    drafted = any(a is not None for a in summary.get("per_position_acceptance") or [])
+    tau = summary.get("mean_accept_length")
+    return f" ({tau:.2f})" if tau and (drafted or summary.get("copied_round_share")) else ""
 
 
 def _header(results: dict) -> list[str]:
@@ -135,11 +141,8 @@ def _speed_table(results: dict, names: list[str]) -> list[str]:
             if n not in per:
                 cells.append("n/a")
                 continue
-            s = per[n]
-            tau = s["mean_accept_length"]
-            q = s.get("tokens_per_second_quartiles")
-            cells.append(f"{s['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else "")
-                         + (f"<br>{q[0]:.0f}-{q[1]:.0f}" if q else ""))
+            q = per[n].get("tokens_per_second_quartiles")
+            cells.append(_speed_cell(per[n]) + (f"<br>{q[0]:.0f}-{q[1]:.0f}" if q else ""))
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -148,7 +151,7 @@ def _overall_table(results: dict) -> list[str]:
     lines = [("| overall | tokens/s | e2e tokens/s | TTFT s | latency p50 / p99 s | tau | rounds copied from the "
               "context (their tau) | greedy mismatches |"), "|---|---|---|---|---|---|---|---|"]
     for n, s in results["methods"].items():
-        tau = f"{s['mean_accept_length']:.2f}" if s["mean_accept_length"] else "-"
+        tau = _tau(s).strip(" ()") or "-"
         copied = (f"{s['copied_round_share']:.0%} ({s['mean_accept_length_copied']:.2f})"
                   if s.get("copied_round_share") else "-")
         latency = (f"{s['latency_p50_s']:.2f} / {s['latency_p99_s']:.2f}"
@@ -184,7 +187,7 @@ def _by_tag(results: dict) -> list[str]:
             cells = []
             for n in names:
                 t = per[n]["by_tag"][tag]
-                tau = t["mean_accept_length"]
+                tau = t["mean_accept_length"] if _tau(per[n]) else None
                 cells.append(f"{t['tokens_per_second']:.1f}" + (f" ({tau:.2f})" if tau else ""))
             lines.append(f"| {tag} | {first['prompt_tokens']:.0f} | {first['prompts']} | " + " | ".join(cells) + " |")
         lines.append("")

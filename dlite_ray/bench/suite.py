@@ -13,6 +13,7 @@ Then report.md and the plots (`report`), stamped with the machine, dtype, commit
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import subprocess
 import time
@@ -23,7 +24,7 @@ from types import SimpleNamespace
 from dlite_ray.bench import followup_bench, serve_bench
 from dlite_ray.bench.llamacpp import LLAMACPP_METHODS
 from dlite_ray.bench.memory import CONTEXTS, measure_draft_memory, measure_peak_rss
-from dlite_ray.bench.report import write_report
+from dlite_ray.bench.report import readme_summary, write_report
 from dlite_ray.bench.runner import HF_METHODS, measure_all
 from dlite_ray.engine.engine_config import resolve_dtype
 
@@ -60,11 +61,15 @@ def run(args) -> dict:
     started = time.perf_counter()
     timings = {}
 
+    partial = Path(args.out) / "results.partial.json"  # what a failed or stopped run had measured
+
     def timed(name, fn):
         t0 = time.perf_counter()
         log.info("bench-suite: %s", name)
         out = fn()
         timings[name] = time.perf_counter() - t0
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps({**results, name: out}, default=str))
         return out
 
     methods = _methods(args.quick)
@@ -72,6 +77,7 @@ def run(args) -> dict:
                                  draft="default", draft_b="default", dtype=dtype, limit=plan.limit,
                                  max_new_tokens=plan.max_new_tokens, repeats=plan.repeats,
                                  concurrency=plan.concurrency, out=args.out)
+    results: dict = {}
     results = timed("speed", lambda: measure_all(speed_args))
     results["followup"] = timed("followup", lambda: followup_bench.run(SimpleNamespace(
         limit=plan.followup_items, max_tokens=16, kv_tokens=12288)))
@@ -88,6 +94,8 @@ def run(args) -> dict:
                         "minutes": (time.perf_counter() - started) / 60,
                         "section_minutes": {k: v / 60 for k, v in timings.items()}}
     write_report(results, Path(args.out))
+    partial.unlink()
+    print(readme_summary(results))
     log.info("bench-suite: wrote %s in %.1f min", args.out, results["stamp"]["minutes"])
     return results
 

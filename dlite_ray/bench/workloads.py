@@ -100,7 +100,7 @@ def _agentic(limit: int, rng: random.Random) -> list[Item]:
         turns = [t[0]["content"] for t in row["question"] if t]
         if functions and len(turns) >= 3:
             items.append(Item(row["id"], [_tool_system(functions), {"role": "user", "content": turns[0]}],
-                              later_turns=turns[1:3], tag="agentic"))
+                              later_turns=turns[1:3], tag="turn-1"))
         if len(items) == limit:
             break
     return items

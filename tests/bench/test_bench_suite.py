@@ -136,3 +136,26 @@ def test_the_report_has_every_section_the_suite_measured(tmp_path):
     for plot in ("concurrency.png", "draft_memory.png", "speed_by_workload.png"):
         assert (tmp_path / plot).stat().st_size > 1000 and f"]({plot})" in report
     assert json.loads((tmp_path / "results.json").read_text())["stamp"]["commit"] == "abc1234"
+
+
+def test_the_suite_runs_every_section_and_stamps_what_it_wrote(tmp_path, monkeypatch):
+    from dlite_ray.bench import suite
+
+    fixture = _suite_results()
+    speed = {k: fixture[k] for k in ("machine", "args", "workloads", "methods", "ratios", "paired_ratios",
+                                     "paired_ratios_by_workload", "skipped", "concurrency")}
+    asked = {}
+    monkeypatch.setattr(suite, "measure_all", lambda a: asked.setdefault("speed", a) and dict(speed))
+    monkeypatch.setattr(suite.followup_bench, "run", lambda a: fixture["followup"])
+    monkeypatch.setattr(suite.serve_bench, "run", lambda a: asked.setdefault("served", a) and fixture["served"])
+    monkeypatch.setattr(suite, "measure_draft_memory", lambda *a: fixture["memory"]["draft"])
+    monkeypatch.setattr(suite, "measure_peak_rss", lambda methods, dtype: asked.setdefault("rss", methods)
+                        and fixture["memory"]["peak_rss"])
+    results = suite.run(SimpleNamespace(quick=True, dtype="float32", out=str(tmp_path)))
+    assert asked["speed"].workload == suite.QUICK.workloads and asked["speed"].concurrency == "1,4"
+    assert asked["served"].dtype == "float32" and asked["rss"] == ["dlite"]
+    written = json.loads((tmp_path / "results.json").read_text())
+    assert {"followup", "served", "memory", "stamp"} <= set(written) and written["stamp"]["quick"] is True
+    assert written["stamp"]["commit"] == results["stamp"]["commit"] != "unknown"
+    assert not (tmp_path / "results.partial.json").exists()  # only a run that stopped midway leaves it
+    assert "## Memory" in (tmp_path / "report.md").read_text()

@@ -214,6 +214,17 @@ def test_a_complete_reply_stays_under_its_grammar_when_decoding_goes_on(tiny):
     assert all(2 in ids[:12] for ids in plain)  # each reply ended early and went on
 
 
+def test_generate_takes_a_compiled_grammar_as_it_takes_a_schema(tiny):
+    """A forced tool call reaches `generate` as a grammar (`grammar_for_calls`), not a schema."""
+    js = json.dumps(CHOICE)
+    by_schema = _engine(tiny).generate(PROMPTS, max_new_tokens=40, json_schema=js)
+    by_grammar = _engine(tiny, tiny[1]).generate(PROMPTS, max_new_tokens=40, grammar=grammar_for_schema(js))
+    assert [r.token_ids for r in by_grammar] == [r.token_ids for r in by_schema]
+    assert [r.token_ids for r in by_schema] != [r.token_ids for r in _engine(tiny).generate(PROMPTS, max_new_tokens=40)]
+    with pytest.raises(InvalidRequest, match="not both"):
+        _engine(tiny).generate(PROMPTS, json_schema=js, grammar=grammar_for_schema(js))
+
+
 def test_a_grammar_must_be_text_the_matcher_takes(tiny):
     from dlite_ray.engine.sequence import SamplingParams
 
