@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlite_ray.runtime import fused_ops
+from dlite_ray.runtime.cpu_features import cpu_flags
 from dlite_ray.runtime.frozen_linear import (
     EXACT_ROWS,
     LARGE_CALL_ROWS,
@@ -152,3 +153,33 @@ def test_long_calls_of_this_machine_give_rows_the_bits_of_short_ones(freeze, dty
     x = torch.randn(300, 576).to(dtype)
     pieces = torch.cat([frozen(x[i:i + EXACT_ROWS]) for i in range(0, 300, EXACT_ROWS)])
     assert torch.equal(frozen(x), pieces)  # whether the kernel agrees or the call was split
+
+
+AMX_SCRIPT = """
+import sys, torch
+from dlite_ray.runtime import fused_ops
+from dlite_ray.runtime.cpu_features import cpu_flags
+torch.manual_seed(0)
+w, x = torch.randn(960, 576).bfloat16(), torch.randn(8, 576).bfloat16()
+torch.save(fused_ops.row_linear(x, fused_ops.pack_row_linear(w), None, 960), sys.argv[1])
+"""
+
+
+@needs_row_linear
+@pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="the tile unit (AMX) is a Xeon's from Sapphire Rapids on")
+def test_bf16_linears_run_on_the_tile_unit_where_the_cpu_has_it(tmp_path):
+    """AMX for inner sizes that are multiples of 32, the dot-product path otherwise or with
+    DLITE_AMX=0: the two agree closely but not in every bit, which is why the unit is fixed
+    per process (row exactness on the tile unit: test_rows_do_not_depend_on_the_other_rows)."""
+    import os
+    import subprocess
+    import sys
+
+    assert fused_ops.kernels().row_linear_uses_amx(576) and not fused_ops.kernels().row_linear_uses_amx(100)
+    outs = {}
+    for amx in ("1", "0"):
+        path = tmp_path / f"amx{amx}.pt"
+        subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(path)], check=True, env={**os.environ, "DLITE_AMX": amx})
+        outs[amx] = torch.load(path)
+    torch.testing.assert_close(outs["1"].float(), outs["0"].float(), rtol=0.02, atol=0.02)
+    assert not torch.equal(outs["1"], outs["0"])
