@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="DLite vs plain decoding vs transformers' methods, side by side")
     bench.add_argument("--workload", default="dev",
-                       help="dev, chat, tool-use, agentic, long-context (comma list) or a .jsonl")
+                       help="dev, chat, code, tool-use, agentic, long-context, structured, forced-tools or a .jsonl; "
+                            "a comma list, each optionally with its own prompt count (agentic:2)")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, "
                             "dlite-b, dlite-nolookup (the draft without context lookup), dlite-tree (with "
@@ -299,8 +300,8 @@ def cmd_gpu_check(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup,
-            "bench-suite": cmd_bench_suite,             "loadtest": cmd_loadtest,
-            "soak": cmd_soak, "train": cmd_train, "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
+            "bench-suite": cmd_bench_suite, "loadtest": cmd_loadtest, "soak": cmd_soak, "train": cmd_train,
+            "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -40,7 +40,8 @@ def acceptance() -> None:
     for tree_tokens in (0, TREE_TOKENS):
         engine = DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft, tree_tokens=tree_tokens,
                              adaptive_draft_length=False)
-        for pid, _, ids in items:
+        for r in items:
+            pid, ids = r.id, r.ids
             s = engine.generate(ids, max_new_tokens=96)[0].stats
             drafted = [a for a, c in zip(s.accept_lengths, s.copied_rounds) if not c]
             gained_drafted = sum(g for g, c in zip(s.branch_gains, s.copied_rounds) if not c)
@@ -59,9 +60,10 @@ def speed() -> None:
                "tree": DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft, tree_tokens=TREE_TOKENS), "ar": ar}
     engines["tree"].policy.branch_budget = lambda limit: limit  # every round verifies its branches
     for engine in engines.values():
-        engine.generate(items[0][2], max_new_tokens=8)
+        engine.generate(items[0].ids, max_new_tokens=8)
     ratios: dict[str, list[float]] = {"notree": [], "tree": []}
-    for pid, _, ids in items:
+    for r in items:
+        pid, ids = r.id, r.ids
         tps: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(3):
             for name, engine in engines.items():

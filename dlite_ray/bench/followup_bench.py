@@ -34,7 +34,8 @@ def run(args) -> dict:
     from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
 
     items = load_workload("agentic", args.limit)
-    engine_args = EngineArgs(max_kv_tokens=args.kv_tokens, disaggregated_draft=False)
+    engine_args = EngineArgs(max_kv_tokens=args.kv_tokens, disaggregated_draft=False,
+                             dtype=getattr(args, "dtype", "auto"))
     rows = []
     with local_app(engine_args, tenants=1) as keys:
         metadata = (("application", "dlite"), ("authorization", f"Bearer {keys[0]}"))

@@ -4,12 +4,15 @@ and each method's peak resident memory.
 Per request and context:
 - DLite's draft: the tensors the engine holds for the draft between rounds (the pivot
   features of the target's tap layers), read off a live request;
+- the request's Python state, which grows with its context: above all the context-lookup
+  index of its n-grams (what `dlite` copies from), traced by tracemalloc while it runs;
 - the target's KV: the blocks that request holds in the paged cache, times a block's bytes;
 - a draft with its own history (transformers' assisted generation: the target's first
   `ASSISTANT_LAYERS` layers): its KV cache after reading the same context, summed tensor
   by tensor.
 Peak RSS: each method in a process of its own (peak RSS only grows), loading the target and
-answering one request at 4K tokens of context.
+answering one request at 4K tokens of context; our engines' KV pool sized for that request
+(a server sizes it for its load: `max_kv_tokens`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import json
 import logging
 import subprocess
 import sys
+import tracemalloc
 
 import torch
 
-from dlite_ray.bench.methods import ASSISTANT_LAYERS, EngineMethod, truncated_draft
+from dlite_ray.bench.methods import ASSISTANT_LAYERS, HF_METHODS, EngineMethod, hf_method, hf_target, truncated_draft
 from dlite_ray.bench.workloads import long_context_text
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.sequence import SamplingParams
@@ -42,14 +46,19 @@ def context_ids(tokenizer, tokens: int) -> list[int]:
 
 
 def request_state(engine: DLiteEngine, ids: list[int]) -> dict:
-    """Bytes a live request holds, read after a few rounds: the draft's state and the target's KV."""
+    """Bytes a live request holds, read after a few rounds: the draft's state, the Python
+    objects made for it (torch's tensors are not traced) and the target's KV."""
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
     seq = engine.add_request(ids, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
     while len(seq.output_ids) < NEW_TOKENS // 2 and not seq.is_finished:
         engine.step()
+    python_bytes = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
     cache = engine.runner.cache
     block_bytes = (cache.k.nbytes + cache.v.nbytes) // engine.runner.num_blocks
     state = {"dlite_draft_bytes": 0 if seq.pivot_features is None else seq.pivot_features.nbytes,
-             "target_kv_bytes": len(seq.block_table) * block_bytes}
+             "python_bytes": python_bytes, "target_kv_bytes": len(seq.block_table) * block_bytes}
     while not seq.is_finished:
         engine.step()
     return state
@@ -58,8 +67,7 @@ def request_state(engine: DLiteEngine, ids: list[int]) -> dict:
 @torch.inference_mode()
 def kv_draft_bytes(assistant, ids: list[int]) -> int:
     """The KV cache a history-keeping draft holds after reading `ids`."""
-    out = assistant(torch.tensor([ids]), use_cache=True)
-    cache = out.past_key_values
+    cache = assistant.model(torch.tensor([ids]), use_cache=True).past_key_values  # no logits needed
     return sum(t.nbytes for layer in _cache_layers(cache) for t in layer)
 
 
@@ -70,8 +78,6 @@ def _cache_layers(cache):
 
 
 def measure_draft_memory(target: str | None, draft: str | None, dtype: str, contexts=CONTEXTS) -> dict:
-    from dlite_ray.bench.runner import hf_target
-
     engine = DLiteEngine.from_pretrained(target, draft, dtype=dtype, enable_prefix_cache=False)
     contexts = [c for c in contexts if c <= engine.runner.max_context]
     hf = hf_target(target, dtype)
@@ -104,14 +110,14 @@ def _one_method_peak(name: str, dtype: str, context: int) -> int:
     tokens, report the process's peak RSS."""
     from transformers import AutoTokenizer
 
-    from dlite_ray.bench.runner import HF_METHODS, hf_method, hf_target
     from dlite_ray.runtime.model_store import default_model_dir
 
     if name in HF_METHODS:
         method = hf_method(name, hf_target(None, dtype))
         tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     elif name in ("dlite", "ar"):
-        engine = DLiteEngine.from_pretrained(None, "default" if name == "dlite" else None, dtype=dtype)
+        engine = DLiteEngine.from_pretrained(None, "default" if name == "dlite" else None, dtype=dtype,
+                                             max_kv_tokens=context + NEW_TOKENS)
         method, tokenizer = EngineMethod(name, engine), engine.tokenizer
     else:
         raise ValueError(f"no peak-RSS measurement for method {name!r}")

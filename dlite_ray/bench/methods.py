@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.engine_config import DTYPES
 
 ASSISTANT_LAYERS = 6  # hf-assisted's draft: the target's first layers and its head (LayerSkip-style)
+HF_METHODS = ("hf", "hf-prompt-lookup", "hf-assisted")
 
 
 @dataclass(slots=True)
@@ -74,7 +76,9 @@ class _TimingStreamer:
 class HFMethod:
     """transformers `generate`: plain, prompt lookup, or assisted by a small draft with its own KV."""
 
-    lossless = True
+    # its own kernels round differently from ours (in bf16 a tie can flip a greedy token), so its
+    # replies are compared with ours, not counted as errors; it is lossless against itself
+    lossless = False
     grammar = False  # generate has no JSON-schema / tool-call grammar of its own
 
     def __init__(self, name: str, model, **generate_kwargs):
@@ -107,3 +111,20 @@ def truncated_draft(model, num_layers: int):
     draft.model.layers = draft.model.layers[:num_layers]
     draft.config.num_hidden_layers = num_layers
     return draft
+
+
+def hf_target(target: str | None, dtype: str):
+    """The target as transformers loads it (the default model's converted checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    from dlite_ray.runtime.model_store import default_model_dir
+
+    return AutoModelForCausalLM.from_pretrained(target or default_model_dir(), dtype=DTYPES[dtype]).eval()
+
+
+def hf_method(name: str, hf) -> HFMethod:
+    if name == "hf-prompt-lookup":
+        return HFMethod(name, hf, prompt_lookup_num_tokens=10)
+    if name == "hf-assisted":
+        return HFMethod(name, hf, assistant_model=truncated_draft(hf, ASSISTANT_LAYERS))
+    return HFMethod(name, hf)

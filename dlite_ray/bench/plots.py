@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dlite_ray.bench.methods import ASSISTANT_LAYERS
+
 
 def draw_plots(results: dict, out: Path) -> list[str]:
     """The plots this run's results allow, saved under `out`; their file names."""
@@ -115,7 +117,7 @@ def _draft_memory(memory: dict, out: Path) -> str:
     rows = memory["rows"]
     contexts = [r["context"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, label in (("kv_draft_bytes", "draft with its own KV (6 layers)"),
+    for key, label in (("kv_draft_bytes", f"draft with its own KV ({ASSISTANT_LAYERS} layers)"),
                        ("dlite_draft_bytes", "DLite draft (history-free)"),
                        ("target_kv_bytes", "the target's KV (both keep it)")):
         ax.plot(contexts, [r[key] / 2**20 for r in rows], marker="o", label=label)

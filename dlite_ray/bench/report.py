@@ -71,7 +71,9 @@ def readme_summary(results: dict) -> str:
         last = memory["draft"]["rows"][-1]
         lines.append(f"- at {last['context']:,} tokens a request holds {last['dlite_draft_bytes'] / 1024:.1f} KiB "
                      f"of DLite draft state against {last['kv_draft_bytes'] / MIB:.1f} MiB of KV for a draft "
-                     f"that keeps its history (the target's KV: {last['target_kv_bytes'] / MIB:.1f} MiB)")
+                     f"that keeps its history; beside them {last.get('python_bytes', 0) / MIB:.1f} MiB of Python "
+                     f"state, its context-lookup index above all, and the target's KV: "
+                     f"{last['target_kv_bytes'] / MIB:.1f} MiB")
     mismatches = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
     lines.append("- greedy replies different from plain decoding: "
                  + (", ".join(f"{n} {k}" for n, k in mismatches.items()) if mismatches else "none"))
@@ -99,14 +101,19 @@ def _header(results: dict) -> list[str]:
                      f"{stamp['minutes']:.0f} minutes; dtype {stamp['dtype']}.")
         if stamp["quick"]:
             lines.append("**A quick run: a check of the harness, too small to quote.**")
-        if not stamp.get("llama_cpp"):
+        if not stamp.get("llama_cpp") and not stamp["quick"]:
             lines.append("llama.cpp was not measured: llama-cpp-python is not installed "
                          "(`pip install -e '.[llamacpp]'`; its rows are in docs/bench/cpu-step.md).")
     args = results["args"]
+    if {"methods", "dtype"} <= set(args):
+        lines.append(f"Methods `{args['methods']}`, dtype {args['dtype']}, draft {args.get('draft', 'default')}.")
     if {"workload", "limit", "max_new_tokens", "repeats"} <= set(args):
         lines.append(f"Speed settings: workloads `{args['workload']}` (prompts each, default {args['limit']}), "
                      f"{args['max_new_tokens']} new tokens, {args['repeats']} interleaved repeats (per-prompt "
-                     "figures are their medians), greedy, batch 1.")
+                     "figures are their medians), greedy, batch 1. TTFT and latency are each prompt's first "
+                     "run: later repeats find its prompt in our engines' prefix cache, and an agent's later turn "
+                     "finds its earlier turns there, as a conversation does; transformers' methods have no such "
+                     "cache.")
     return lines
 
 
@@ -148,8 +155,8 @@ def _speed_table(results: dict, names: list[str]) -> list[str]:
 
 
 def _overall_table(results: dict) -> list[str]:
-    lines = [("| overall | tokens/s | e2e tokens/s | TTFT s | latency p50 / p99 s | tau | rounds copied from the "
-              "context (their tau) | greedy mismatches |"), "|---|---|---|---|---|---|---|---|"]
+    lines = [("| overall | requests | tokens/s | e2e tokens/s | TTFT s | latency p50 / p99 s | tau | rounds copied "
+              "from the context (their tau) | greedy mismatches |"), "|---|---|---|---|---|---|---|---|---|"]
     for n, s in results["methods"].items():
         tau = _tau(s).strip(" ()") or "-"
         copied = (f"{s['copied_round_share']:.0%} ({s['mean_accept_length_copied']:.2f})"
@@ -159,9 +166,10 @@ def _overall_table(results: dict) -> list[str]:
         mismatches = s["greedy_mismatches"]
         if mismatches is None:
             same = s["same_replies_as_ar"]
-            mismatches = "not lossless" + ("" if same is None else f": {same:.0%} of replies identical")
-        lines.append(f"| {n} | {s['tokens_per_second']:.1f} | {s['e2e_tokens_per_second']:.1f} | "
-                     f"{s['ttft_s']:.3f} | {latency} | {tau} | {copied} | {mismatches} |")
+            mismatches = "other kernels" + ("" if same is None else f": {same:.0%} of replies identical to ar's")
+        lines.append(f"| {n} | {s.get('requests', '-')} | {s['tokens_per_second']:.1f} | "
+                     f"{s['e2e_tokens_per_second']:.1f} | {s['ttft_s']:.3f} | {latency} | {tau} | {copied} | "
+                     f"{mismatches} |")
     return lines + [""]
 
 
@@ -289,15 +297,17 @@ def _memory(memory: dict | None) -> list[str]:
              (f"What one request holds, read off a live request ({draft['dtype']}): DLite's draft state between "
               f"rounds, the target's KV blocks, and the KV cache of a draft that keeps its own history "
               f"({draft['kv_draft']}) after reading the same context:"), "",
-             "| context | DLite draft | target KV | KV-keeping draft |", "|---|---|---|---|"]
+             "| context | DLite draft | Python state (its context-lookup index above all) | target KV | "
+             "KV-keeping draft |", "|---|---|---|---|---|"]
     for r in draft["rows"]:
-        lines.append(f"| {r['context']} | {r['dlite_draft_bytes'] / 1024:.1f} KiB | "
+        python = f"{r['python_bytes'] / MIB:.1f} MiB" if "python_bytes" in r else "-"
+        lines.append(f"| {r['context']} | {r['dlite_draft_bytes'] / 1024:.1f} KiB | {python} | "
                      f"{r['target_kv_bytes'] / MIB:.1f} MiB | {r['kv_draft_bytes'] / MIB:.1f} MiB |")
     rss = memory.get("peak_rss")
     if rss:
+        sizes = ", ".join(f"{n} {b / MIB:.0f} MiB" for n, b in rss["bytes"].items())
         lines += ["", f"Peak RSS of a process that loads one method and answers one request at {rss['context']} "
-                      "tokens of context: " + ", ".join(f"{n} {b / MIB:.0f} MiB" for n, b in rss["bytes"].items())
-                  + "."]
+                      f"tokens of context (our engines' KV pool sized for that request): {sizes}."]
     return lines + [""]
 
 

@@ -24,8 +24,9 @@ from types import SimpleNamespace
 from dlite_ray.bench import followup_bench, serve_bench
 from dlite_ray.bench.llamacpp import LLAMACPP_METHODS
 from dlite_ray.bench.memory import CONTEXTS, measure_draft_memory, measure_peak_rss
+from dlite_ray.bench.methods import HF_METHODS
 from dlite_ray.bench.report import readme_summary, write_report
-from dlite_ray.bench.runner import HF_METHODS, measure_all
+from dlite_ray.bench.runner import measure_all
 from dlite_ray.engine.engine_config import resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Plan:
     rss_methods: tuple[str, ...]
 
 
-FULL = Plan(workloads="chat,code,tool-use,agentic:2,long-context:2,structured,forced-tools", limit=4,
+FULL = Plan(workloads="chat,code,tool-use,agentic:2,long-context:2,structured:4,forced-tools:4", limit=3,
             max_new_tokens=96, repeats=3, concurrency="1,4,16,32", followup_items=2,
             serve_workloads="chat,code", serve_limit=2, serve_repeats=2, memory_contexts=CONTEXTS,
             rss_methods=("dlite", "ar", *HF_METHODS))
@@ -58,37 +59,41 @@ QUICK = Plan(workloads="chat:1,agentic:1,structured:1", limit=1, max_new_tokens=
 def run(args) -> dict:
     plan = QUICK if args.quick else FULL
     dtype = resolve_dtype(args.dtype, "cpu")
+    commit = _commit()  # the code measured: taken now, not after a run that may outlast a commit
     started = time.perf_counter()
     timings = {}
-
     partial = Path(args.out) / "results.partial.json"  # what a failed or stopped run had measured
+    results: dict = {}
 
-    def timed(name, fn):
+    def section(name, fn):
+        """Run one section into `results` (the speed section's keys at the top level)."""
         t0 = time.perf_counter()
         log.info("bench-suite: %s", name)
         out = fn()
+        if name == "speed":
+            results.update(out)
+        else:
+            results[name] = out
         timings[name] = time.perf_counter() - t0
         partial.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps({**results, name: out}, default=str))
-        return out
+        partial.write_text(json.dumps(results, default=str))
 
     methods = _methods(args.quick)
     speed_args = SimpleNamespace(workload=plan.workloads, methods=",".join(methods), target=None,
                                  draft="default", draft_b="default", dtype=dtype, limit=plan.limit,
                                  max_new_tokens=plan.max_new_tokens, repeats=plan.repeats,
                                  concurrency=plan.concurrency, out=args.out)
-    results: dict = {}
-    results = timed("speed", lambda: measure_all(speed_args))
-    results["followup"] = timed("followup", lambda: followup_bench.run(SimpleNamespace(
-        limit=plan.followup_items, max_tokens=16, kv_tokens=12288)))
-    results["served"] = timed("served", lambda: serve_bench.run(SimpleNamespace(
+    section("speed", lambda: measure_all(speed_args))
+    section("followup", lambda: followup_bench.run(SimpleNamespace(
+        limit=plan.followup_items, max_tokens=16, kv_tokens=12288, dtype=dtype)))
+    section("served", lambda: serve_bench.run(SimpleNamespace(
         workload=plan.serve_workloads, limit=plan.serve_limit, repeats=plan.serve_repeats,
         max_new_tokens=plan.max_new_tokens, cpu_threads=None, dtype=dtype)))
-    results["memory"] = timed("memory", lambda: {
+    section("memory", lambda: {
         "draft": measure_draft_memory(None, "default", dtype, plan.memory_contexts),
         "peak_rss": measure_peak_rss(list(plan.rss_methods), dtype)})
-    results["stamp"] = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                        "commit": _commit(), "dtype": dtype, "quick": args.quick,
+    results["stamp"] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                        "commit": commit, "dtype": dtype, "quick": args.quick,
                         "command": "make bench" + (" ARGS=--quick" if args.quick else ""),
                         "llama_cpp": any(m in LLAMACPP_METHODS for m in methods),
                         "minutes": (time.perf_counter() - started) / 60,
@@ -115,9 +120,11 @@ def _methods(quick: bool) -> list[str]:
 
 
 def _commit() -> str:
-    """HEAD, marked dirty where tracked files differ from it (the report then says so)."""
+    """HEAD, marked dirty where tracked files other than the bench's own outputs differ from it."""
+    repo = Path(__file__).resolve().parents[2]
+
     def git(*cmd):
-        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=False).stdout.strip()
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, check=False, cwd=repo).stdout.strip()
 
     head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/bench") else "")

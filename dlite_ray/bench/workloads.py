@@ -117,7 +117,7 @@ def _long_context(limit: int) -> list[Item]:
 
 
 def long_context_text(chars: int) -> str:
-    """The first `chars` characters of some standard-library source (~120K in all)."""
+    """The first `chars` characters of some standard-library source (~370K in all)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = ("textwrap.py", "shlex.py", "fractions.py", "argparse.py", "difflib.py", "inspect.py")
     return "".join((root / f).read_text() for f in files)[:chars]

@@ -192,7 +192,7 @@ class DLiteEngine:
         `json_schema` (a schema as JSON text) constrains every reply to JSON it accepts
         (`engine/structured_output.py`); a reply whose grammar fails midway (a parser limit)
         ends with finish_reason "error" and `GenerationResult.error` saying why. `grammar` is
-        one already compiled (`grammar_for_schema`, `grammar_for_calls`: a forced tool call).
+        a grammar's text, as `grammar_for_schema` or `grammar_for_calls` (a forced tool call) make it.
         """
         if json_schema is not None and grammar is not None:
             raise InvalidRequest("give json_schema or grammar, not both")

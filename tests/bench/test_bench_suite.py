@@ -104,7 +104,7 @@ def _suite_results() -> dict:
     return {
         "machine": {"cpu": "x", "cores": 2, "torch_threads": 2, "torch": "t"},
         "args": {"workload": "agentic:2", "limit": 4, "max_new_tokens": 96, "repeats": 3},
-        "workloads": workloads, "methods": methods, "ratios": _ratios(methods),
+        "workloads": workloads, "methods": methods, "ratios": _ratios(workloads),
         "paired_ratios": _paired_ratios(workloads), "paired_ratios_by_workload": _paired_ratios_by_workload(workloads),
         "skipped": {"agentic": [], "structured": ["hf"]},
         "concurrency": {"1": {"dlite": level, "ar": level, "dlite/ar": 1.0},
@@ -116,26 +116,32 @@ def _suite_results() -> dict:
         "memory": {"draft": {"rows": [{"context": 1024, "dlite_draft_bytes": 4096, "target_kv_bytes": 2**21,
                                        "kv_draft_bytes": 2**20},
                                       {"context": 4096, "dlite_draft_bytes": 4096, "target_kv_bytes": 2**23,
-                                       "kv_draft_bytes": 2**22}],
+                                       "kv_draft_bytes": 2**22, "python_bytes": 2**19}],
                              "kv_draft": "six layers", "dtype": "bfloat16"},
                    "peak_rss": {"context": 4096, "bytes": {"dlite": 900 * 2**20}}},
-        "stamp": {"date": "2026-12-05T00:00:00+00:00", "commit": "abc1234", "dtype": "bfloat16", "quick": True,
-                  "command": "make bench ARGS=--quick", "minutes": 3.0, "llama_cpp": False},
+        "stamp": {"date": "2026-12-05T00:00:00+00:00", "commit": "abc1234", "dtype": "bfloat16", "quick": False,
+                  "command": "make bench", "minutes": 40.0, "llama_cpp": False},
     }
 
 
 def test_the_report_has_every_section_the_suite_measured(tmp_path):
     write_report(_suite_results(), tmp_path)
     report = (tmp_path / "report.md").read_text()
-    for text in ("at commit abc1234", "A quick run", "llama.cpp was not measured", "| agentic | 2.00x (2.00-2.00) |",
+    for text in ("at commit abc1234", "llama.cpp was not measured", "| 4096 | 4.0 KiB | 0.5 MiB |",
+                 "| agentic | 2.00x (2.00-2.00) |",
                  "| turn-2 | 3 | 1 | 20.0 (1.50) | 10.0 (1.50) |", "structured: hf", "## Requests in flight",
                  "| 4 | 30.0 | 30.0 | 1.00x | 0.90 / 1.50 |", "held 0.20 s, evicted 4.00 s (20.0x)",
-                 "90.0 vs the library engine in-process 100.0: 90%", "| 4096 | 4.0 KiB | 8.0 MiB | 4.0 MiB |",
+                 "90.0 vs the library engine in-process 100.0: 90%", "| 8.0 MiB | 4.0 MiB |",
                  "dlite 900 MiB", "latency p50 / p99 s"):
         assert text in report, text
     for plot in ("concurrency.png", "draft_memory.png", "speed_by_workload.png"):
         assert (tmp_path / plot).stat().st_size > 1000 and f"]({plot})" in report
     assert json.loads((tmp_path / "results.json").read_text())["stamp"]["commit"] == "abc1234"
+    quick = _suite_results()
+    quick["stamp"].update(quick=True, command="make bench ARGS=--quick")
+    write_report(quick, tmp_path)
+    report = (tmp_path / "report.md").read_text()
+    assert "A quick run" in report and "llama.cpp was not measured" not in report  # a quick run never has it
 
 
 def test_the_suite_runs_every_section_and_stamps_what_it_wrote(tmp_path, monkeypatch):

@@ -6,6 +6,9 @@ packed calls by padding short calls where the kernel was measured to need it."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -157,7 +160,7 @@ def test_long_calls_of_this_machine_give_rows_the_bits_of_short_ones(freeze, dty
 
 AMX_SCRIPT = """
 import sys, torch
-from dlite_ray.runtime import fused_ops
+from dlite_ray.runtime import fused_ops  # the build this test's process uses (the same sources)
 from dlite_ray.runtime.cpu_features import cpu_flags
 torch.manual_seed(0)
 w, x = torch.randn(960, 576).bfloat16(), torch.randn(8, 576).bfloat16()
@@ -166,15 +169,12 @@ torch.save(fused_ops.row_linear(x, fused_ops.pack_row_linear(w), None, 960), sys
 
 
 @needs_row_linear
-@pytest.mark.skipif("amx_bf16" not in cpu_flags(), reason="the tile unit (AMX) is a Xeon's from Sapphire Rapids on")
+@pytest.mark.skipif("amx_bf16" not in cpu_flags() or os.environ.get("DLITE_AMX") == "0",
+                    reason="the tile unit (AMX) is a Xeon's from Sapphire Rapids on, and DLITE_AMX=0 refuses it")
 def test_bf16_linears_run_on_the_tile_unit_where_the_cpu_has_it(tmp_path):
     """AMX for inner sizes that are multiples of 32, the dot-product path otherwise or with
     DLITE_AMX=0: the two agree closely but not in every bit, which is why the unit is fixed
     per process (row exactness on the tile unit: test_rows_do_not_depend_on_the_other_rows)."""
-    import os
-    import subprocess
-    import sys
-
     assert fused_ops.kernels().row_linear_uses_amx(576) and not fused_ops.kernels().row_linear_uses_amx(100)
     outs = {}
     for amx in ("1", "0"):

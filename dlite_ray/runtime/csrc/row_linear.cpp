@@ -169,7 +169,10 @@ void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16*
       const int64_t col = panel * kPanel, cols = std::min(kPanel, n - col);
       for (int64_t row = 0; row < m; row += kAmxRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, m - row));
-        if (rows != configured) configure_tiles(rows), configured = rows;
+        if (rows != configured) {
+          configure_tiles(rows);
+          configured = rows;
+        }
         panel_amx(x + row * k, k, packed + panel * panel_size, sums);
         for (int r = 0; r < rows; ++r) {
           at::BFloat16* y = out + (row + r) * n + col;
