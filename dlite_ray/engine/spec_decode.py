@@ -97,9 +97,9 @@ class SpecDecoder:
         self._commit_prefills(schedule.prefills, outs, t.elapsed)
         emitted = self._commit_decodes(decodes, proposal, branches, next_tokens, outs[len(schedule.prefills):],
                                        t.elapsed)
-        # Only decode-only steps that drafted or decoded plainly measure the draft against
-        # none; copied rows and a failed draft call would blur that comparison.
-        if decodes and not schedule.prefills and not any(proposal.copied) and not proposal.draft_failed:
+        # Only decode-only steps measure speculating (drafting or copying) against plain
+        # decoding; a failed draft call would blur that comparison.
+        if decodes and not schedule.prefills and not proposal.draft_failed:
             self.policy.observe_step(len(decodes), proposal.lengths, sum(len(e) for e in emitted.values()),
                                      time.perf_counter() - step_started)
         return emitted

@@ -8,15 +8,20 @@ are accepted more often once reached: ~0.42, 0.5, 0.57, ... for the default draf
 j-th drafted token adds prod_{m <= j} alpha_i * f_m expected tokens. Starting from plain decoding,
 draft tokens are added greedily while they raise expected tokens per second of the
 whole step; when speculation does not pay (low acceptance, compute-bound batch), every
-K_i stays 0 and the engine decodes plainly. Whether to speculate at all is then checked
-against what speculative and plain steps measurably delivered at this batch size
-(`StepRates`), so a wrong cost model cannot make the engine slower than plain decoding.
+K_i stays 0 and the engine decodes plainly. Whether to speculate at all, by drafting or by
+copying, is then checked against what speculative and plain steps measurably delivered at
+this batch size (`StepRates`), so a wrong cost model cannot make the engine slower than
+plain decoding. Copies are held to it too: with 16 requests in flight, copies the cost
+model let through made steps slower than plain decoding (0.83x at 16, 0.75x at 32 in
+docs/bench, before they were), while at batch 1 they are what agent turns gain most from,
+and the measured rate says so.
 
 Rows that copy from their context (`context_lookup.py`) are allocated by the same model:
 their tokens cost forward time but no draft call, and each is accepted with the row's own
 copy acceptance (tracked apart from the draft's, with its own prior). At batch 1 on a CPU
 a verify token is nearly free and whole copies pass; in a compute-bound batch copies that
-keep failing are cut short, and tried again once that evidence has faded.
+keep failing are cut short, and tried again once that evidence has faded; and where the
+measured steps say speculating does not pay at this batch size, nothing is copied.
 
 Copies from earlier replies (`reply_cache.py`) match across unrelated requests and pass
 less often than copies from a request's own context; their acceptance is tracked
@@ -138,16 +143,14 @@ class SpeculationPolicy:
         ks, pays = self._allocate(seqs, caps, copy_caps, from_reply, prefill_tokens)
         speculate = pays
         if self.rates is not None:
-            # Steps with prefill chunks or copied rows are not measured (they say little about
-            # drafting against plain decoding), but they follow what the measured steps found.
-            copying = any(k for k, copy in zip(ks, copy_caps) if copy)
-            speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0 and not copying
+            # Steps with prefill chunks are not measured (their time is mostly the prefill's),
+            # but they follow what the measured steps found.
+            speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0
                          else self.rates.verdict(len(seqs), pays))
-        if speculate and not any(ks[i] for i, c in enumerate(caps) if c):
-            # measuring drafting the model would not try (copied rows keep their allocation)
-            ks = [k if copy else min(cap, 1) for k, cap, copy in zip(ks, caps, copy_caps)]
-        # the measured verdict is about the draft: copied rows keep what the cost model gave them
-        chosen = [k if speculate or copy else 0 for k, copy in zip(ks, copy_caps)]
+        if speculate and not any(ks):
+            # measuring speculation the model would not try: one drafted (or copied) token a row
+            ks = [min(copy or cap, 1) for cap, copy in zip(caps, copy_caps)]
+        chosen = ks if speculate else [0] * len(ks)
         for seq, k, copy, reply in zip(seqs, chosen, copy_caps, from_reply):
             _decay_idle(self._accept, seq, k == 0 and not copy, self.IDLE_DECAY)
             _decay_idle(self._copy_accept, seq, not (copy and k and not reply), self.IDLE_DECAY)

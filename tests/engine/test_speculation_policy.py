@@ -77,24 +77,28 @@ def test_copy_evidence_leaves_the_draft_acceptance_alone():
     assert policy.copy_alpha(seq) == pytest.approx(0.3, abs=0.05)
 
 
-def test_a_measured_no_to_drafting_does_not_stop_copying():
+def test_a_measured_no_to_speculating_stops_copying_too():
+    """In a compute-bound batch, copies the cost model lets through can make a step slower
+    than plain decoding (docs/bench: 0.75x at 32 in flight); the measured verdict holds them."""
     policy, seq = _copy_policy(0.95)
-    policy.rates = type("NoDrafting", (), {"should_speculate": lambda self, n, pays: False,
-                                            "verdict": lambda self, n, pays: False})()
+    policy.rates = type("NoSpeculation", (), {"should_speculate": lambda self, n, pays: False,
+                                              "verdict": lambda self, n, pays: False})()
     drafting, copying = _seq(), seq
-    assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15]) == [0, 15]
+    assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15]) == [0, 0]
+    policy.rates = None  # the cost model alone copies it whole
+    assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15])[1] == 15
 
 
-def test_steps_with_copied_rows_are_not_probed():
-    """The measured guard compares drafting with plain decoding; a step with copied rows
-    measures neither, so it must not spend one of the guard's probes."""
+def test_steps_with_copied_rows_are_measured_and_steps_with_prefill_are_not():
+    """Decode-only steps, copying or drafting, spend the guard's probes; a step with prefill
+    chunks (its time mostly the prefill's) follows the verdict without one."""
     policy, seq = _copy_policy(0.95)
     asked = []
     policy.rates = type("Spy", (), {"should_speculate": lambda self, n, pays: asked.append("probe") or pays,
                                     "verdict": lambda self, n, pays: asked.append("verdict") or pays})()
     policy.choose([_seq(), seq], [7, 0], copy_caps=[0, 15])
-    policy.choose([_seq(), _seq()], [7, 7])
-    assert asked == ["verdict", "probe"]
+    policy.choose([_seq(), _seq()], [7, 7], prefill_tokens=64)
+    assert asked == ["probe", "verdict"]
 
 
 def test_a_row_whose_copies_were_cut_tries_copying_again():
