@@ -108,14 +108,17 @@ class SpecDecoder:
         """What each decode row verifies this step: a copy (from its context or an earlier
         reply), a draft, or nothing (plain decoding), as the policy allocates."""
         caps = [self._max_draft(s) for s in decodes]
-        proposed = [self._copy(s) for s in decodes]  # (tokens, whether from an earlier reply) per row
-        ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c, _ in proposed],
-                                [reply for _, reply in proposed])
-        copies = [c[:k] for (c, _), k in zip(proposed, ks)]  # what the cost model kept of each copy
+        proposed = [self._copy(s) for s in decodes]  # (tokens, from an earlier reply, forced by a grammar) per row
+        ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c, _, _ in proposed],
+                                [reply for _, reply, _ in proposed])
+        # what a grammar forces is certain to be kept, each token a step saved for one row's
+        # cost: verified whole, whatever the policy measured of speculating
+        ks = [len(c) if forced else k for (c, _, forced), k in zip(proposed, ks)]
+        copies = [c[:k] for (c, _, _), k in zip(proposed, ks)]  # what the policy kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
         drafts, runners_up, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
         tokens = [c or d for c, d in zip(copies, drafts)]
-        from_reply = [bool(c) and reply for c, (_, reply) in zip(copies, proposed)]
+        from_reply = [bool(c) and reply for c, (_, reply, _) in zip(copies, proposed)]
         trees = [CandidateTree.chain(s.anchor, t, q_probs.get(i) if q_probs and not c and s.params.mode == REJECTION
                                      else None)  # a greedy draft's tokens were not drawn from its q
                  for i, (s, t, c) in enumerate(zip(decodes, tokens, copies))]
@@ -189,19 +192,22 @@ class SpecDecoder:
             st.last_token_time = now
         return emitted
 
-    def _copy(self, seq: Sequence) -> tuple[list[int], bool]:
-        """Tokens to verify without drafting, and whether an earlier reply gave them: what the
-        request's grammar forces next, else what followed its last tokens earlier in its
-        context, else in an earlier reply of its namespace (all only where copying is on)."""
+    def _copy(self, seq: Sequence) -> tuple[list[int], bool, bool]:
+        """Tokens to verify without drafting, whether an earlier reply gave them and whether
+        the grammar forces them: what the request's grammar forces next, else what followed
+        its last tokens earlier in its context, else in an earlier reply of its namespace
+        (all only where copying is on)."""
         limit = min(self._room(seq), self.lookup.max_tokens)
         forced = seq.grammar.forced_tokens(limit) if seq.grammar else []
-        copied = forced or self.lookup.propose(seq, limit)
+        if forced:
+            return forced, False, True
+        copied = self.lookup.propose(seq, limit)
         if copied or self.replies is None:
-            return copied, False
+            return copied, False, False
         copied = self.replies.propose(seq.namespace, seq.token_ids, limit)
         if copied and not self.policy.copies_from_replies(seq, can_draft=self._max_draft(seq) > 0):
-            return [], False  # such copies have passed less often than this row's drafts
-        return copied, True
+            return [], False, False  # such copies have passed less often than this row's drafts
+        return copied, True, False
 
     def _room(self, seq: Sequence) -> int:
         """The most tokens a round can verify after the anchor: within the output budget and the context."""

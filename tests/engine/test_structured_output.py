@@ -95,6 +95,21 @@ def test_what_the_grammar_forces_is_proposed_and_accepted(tiny):
         assert r.stats.copied_rounds[0] and first == len('{"name": "') + 1
 
 
+def test_what_the_grammar_forces_is_verified_even_where_speculating_measured_slower(tiny):
+    """Forced tokens are certain: a measured no to speculating (a compute-bound batch) must
+    not cost each of them a step of its own."""
+    target, draft, tok = tiny
+    engine = DLiteEngine(target, tok, InProcessDraftTransport(draft, "test"), lookup_tokens=15)  # adaptive
+    engine.policy.rates = type("NoSpeculation", (), {"should_speculate": lambda self, n, pays: False,
+                                                     "verdict": lambda self, n, pays: False,
+                                                     "record": lambda self, *measured: None})()
+    out = engine.generate(PROMPTS, max_new_tokens=40, json_schema=json.dumps(RECORD))
+    assert [r.token_ids for r in out] == [r.token_ids for r in _engine(tiny).generate(
+        PROMPTS, max_new_tokens=40, json_schema=json.dumps(RECORD))]
+    for r in out:
+        assert r.stats.copied_rounds[0] and r.stats.accept_lengths[0] == len('{"name": "') + 1
+
+
 def test_a_constrained_request_leaves_its_batch_neighbours_unchanged(tiny):
     draft = tiny[1]
     alone = [r.token_ids for r in _engine(tiny, draft).generate(PROMPTS, max_new_tokens=24)]
