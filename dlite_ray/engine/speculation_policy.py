@@ -11,10 +11,11 @@ whole step; when speculation does not pay (low acceptance, compute-bound batch),
 K_i stays 0 and the engine decodes plainly. Whether to speculate at all, by drafting or by
 copying, is then checked against what speculative and plain steps measurably delivered at
 this batch size (`StepRates`), so a wrong cost model cannot make the engine slower than
-plain decoding. Copies are held to it too: with 16 requests in flight, copies the cost
-model let through made steps slower than plain decoding (0.83x at 16, 0.75x at 32 in
-docs/bench, before they were), while at batch 1 they are what agent turns gain most from,
-and the measured rate says so.
+plain decoding. Copies are held to it too: in the first `make bench` run, copies the cost
+model let through made compute-bound steps slower than plain decoding (0.83x at 16 requests
+in flight, 0.75x at 32; 0.94x and 0.88x once copies answered to the guard), while at batch 1
+they are what agent turns gain most from, and the measured rate says so. What a grammar
+forces is exempt (`spec_decode.py`): those tokens are certain.
 
 Rows that copy from their context (`context_lookup.py`) are allocated by the same model:
 their tokens cost forward time but no draft call, and each is accepted with the row's own
