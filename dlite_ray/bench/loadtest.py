@@ -35,6 +35,7 @@ from dlite_ray.bench.loadtest_client import (
     wait_until_ready,
 )
 from dlite_ray.bench.machine import machine_info
+from dlite_ray.bench.stats import percentile
 
 EXPLAINED_ERRORS = ("http:429", "grpc:RESOURCE_EXHAUSTED")  # the per-tenant cap answering as designed
 REFERENCE_BATCH = 16
@@ -99,18 +100,12 @@ def summarize(cfg: LoadTestConfig, records: list[Record], loops: list[LoopOutcom
         "lost_conversations": sum(lo.lost for lo in loops),
         "lost_details": [lo.detail for lo in loops if lo.lost][:5],
         "greedy": greedy,
-        "latency_s": {"p50": _percentile(latencies, 50), "p99": _percentile(latencies, 99),
+        "latency_s": {"p50": percentile(latencies, 50), "p99": percentile(latencies, 99),
                       "mean": statistics.fmean(latencies) if latencies else None},
-        "ttft_s": {"p50": _percentile(ttfts, 50), "p99": _percentile(ttfts, 99)},
+        "ttft_s": {"p50": percentile(ttfts, 50), "p99": percentile(ttfts, 99)},
         "tokens": tokens,
         "tokens_per_second": tokens / wall_s if wall_s > 0 else 0.0,
     }
-
-
-def _percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    return sorted_values[min(len(sorted_values) - 1, round(q / 100 * (len(sorted_values) - 1)))]
 
 
 @contextmanager

@@ -24,6 +24,7 @@ from dlite_ray.bench.machine import machine_info
 from dlite_ray.bench.methods import HF_METHODS, EngineMethod, Run, hf_method, hf_target
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import paired_ratio_line, write_report
+from dlite_ray.bench.stats import percentile, quartiles
 from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
@@ -180,7 +181,6 @@ def _target_gguf(target: str | None) -> Path:
 def measure(methods: dict, items: list[BenchRequest], args) -> dict:
     """Every method on every request, `args.repeats` times, the methods taking turns per
     request (their order reversed on every other repeat), after a warm-up."""
-    items = [BenchRequest(*r) for r in items]
     warm_up = items[0]._replace(ids=items[0].ids[:16])  # a prefix: the measured prompts stay uncached
     for m in methods.values():
         _run(m, warm_up, 8)
@@ -268,25 +268,6 @@ def _by_tag(rows: list[dict]) -> dict:
     return out
 
 
-def quartiles(values: list[float]) -> list[float] | None:
-    """[q1, q3] (inclusive method: defined from two values on)."""
-    if len(values) < 2:
-        return None
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return [q1, q3]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile, interpolated between the nearest ranks."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
 def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -332,17 +313,24 @@ def _overall(workloads: dict) -> dict:
     return out
 
 
-def _ratios(workloads: dict) -> dict:
-    """dlite's median decode tokens/s over each method's, both over the workloads both ran."""
+def _shared_rows(workloads: dict) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per other method: dlite's and its per-prompt rows, over the workloads both ran."""
     out = {}
     for name in dict.fromkeys(n for w in workloads.values() for n in w):
         both = [w for w in workloads.values() if "dlite" in w and name in w]
-        if name == "dlite" or not both:
-            continue
-        mine = statistics.median(r["decode_tps"] for w in both for r in w["dlite"]["per_prompt"])
-        theirs = statistics.median(r["decode_tps"] for w in both for r in w[name]["per_prompt"])
-        if theirs:
-            out[f"dlite/{name}"] = mine / theirs
+        if name != "dlite" and both:
+            out[name] = ([r for w in both for r in w["dlite"]["per_prompt"]],
+                         [r for w in both for r in w[name]["per_prompt"]])
+    return out
+
+
+def _ratios(workloads: dict) -> dict:
+    """dlite's median decode tokens/s over each method's, both over the workloads both ran."""
+    out = {}
+    for name, (mine, theirs) in _shared_rows(workloads).items():
+        theirs_median = statistics.median(r["decode_tps"] for r in theirs)
+        if theirs_median:
+            out[f"dlite/{name}"] = statistics.median(r["decode_tps"] for r in mine) / theirs_median
     return out
 
 
@@ -350,21 +338,12 @@ def _paired_ratios(workloads: dict) -> dict:
     """dlite against each other method prompt by prompt (both ran each prompt back to back),
     which a shared machine's drifting speed disturbs less than a ratio of two medians:
     the median and quartiles of the per-prompt ratios, and total tokens over total time."""
-    names = [n for n in dict.fromkeys(n for w in workloads.values() for n in w) if n != "dlite"]
-    out = {}
-    for name in names:
-        both = [w for w in workloads.values() if "dlite" in w and name in w]
-        ratio = paired_ratio([r for w in both for r in w["dlite"]["per_prompt"]],
-                             [r for w in both for r in w[name]["per_prompt"]])
-        if ratio is not None:
-            out[f"dlite/{name}"] = ratio
-    return out
+    ratios = {f"dlite/{name}": paired_ratio(*rows) for name, rows in _shared_rows(workloads).items()}
+    return {k: r for k, r in ratios.items() if r is not None}
 
 
 def _paired_ratios_by_workload(workloads: dict) -> dict:
-    return {w: {f"dlite/{n}": r for n in per if n != "dlite"
-                if "dlite" in per and (r := paired_ratio(per["dlite"]["per_prompt"], per[n]["per_prompt"]))}
-            for w, per in workloads.items()}
+    return {w: _paired_ratios({w: per}) for w, per in workloads.items()}
 
 
 def paired_ratio(mine: list[dict], theirs: list[dict]) -> dict | None:

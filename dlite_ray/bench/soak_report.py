@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from dataclasses import asdict
 
-from dlite_ray.bench.loadtest import _percentile
 from dlite_ray.bench.soak_abuser import AbuseOutcome, summarize_abuse
 from dlite_ray.bench.soak_client import (
     DISRUPTION_AFTER_S,
@@ -22,11 +21,12 @@ from dlite_ray.bench.soak_client import (
     claim_bound_s,
 )
 from dlite_ray.bench.soak_faults import FaultEvent, fault_windows, overlaps
+from dlite_ray.bench.stats import percentile
 
 
 def latency_figures(values: list[float]) -> dict:
     values = sorted(values)
-    return {"n": len(values), "p50": _percentile(values, 50), "p99": _percentile(values, 99),
+    return {"n": len(values), "p50": percentile(values, 50), "p99": percentile(values, 99),
             "max": values[-1] if values else None}
 
 

@@ -10,6 +10,7 @@ import pytest
 from dlite_ray.bench.methods import Run
 from dlite_ray.bench.report import write_report
 from dlite_ray.bench.runner import (
+    BenchRequest,
     _overall,
     _paired_ratios,
     _ratios,
@@ -44,6 +45,9 @@ def test_builtin_chat_and_long_context_workloads():
     assert len(long[2].messages[0]["content"]) > len(long[0].messages[0]["content"])
 
 
+TWO_REQUESTS = [BenchRequest("p0", "t", [5, 6]), BenchRequest("p1", "t", [7])]
+
+
 class _Fixed:
     """A method that returns fixed tokens (to plant a mismatch)."""
 
@@ -56,7 +60,7 @@ class _Fixed:
 
 def _results():
     methods = {"ar": _Fixed([1, 2, 3]), "dlite": _Fixed([1, 2, 3]), "broken": _Fixed([1, 9, 3])}
-    per = measure(methods, [("p0", "t", [5, 6]), ("p1", "t", [7])], SimpleNamespace(repeats=1, max_new_tokens=3))
+    per = measure(methods, TWO_REQUESTS, SimpleNamespace(repeats=1, max_new_tokens=3))
     workloads = {"w": per}
     results = {"machine": {"cpu": "x", "cores": 2, "torch_threads": 2, "torch": "t"}, "args": {"a": 1},
                "workloads": workloads, "methods": _overall(workloads)}
@@ -74,7 +78,7 @@ def test_the_equality_check_catches_a_planted_mismatch():
 
 def test_a_lossy_methods_replies_are_compared_not_counted_as_mismatches(tmp_path):
     methods = {"ar": _Fixed([1, 2, 3]), "other-kernels": _Fixed([1, 9, 3], lossless=False)}
-    per = measure(methods, [("p0", "t", [5, 6]), ("p1", "t", [7])], SimpleNamespace(repeats=1, max_new_tokens=3))
+    per = measure(methods, TWO_REQUESTS, SimpleNamespace(repeats=1, max_new_tokens=3))
     assert per["other-kernels"]["greedy_mismatches"] is None
     assert per["other-kernels"]["same_replies_as_ar"] == 0.0 and per["ar"]["same_replies_as_ar"] == 1.0
     results = _results()
