@@ -81,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--limit", type=int, default=4)
     sv.add_argument("--max-new-tokens", type=int, default=96)
     sv.add_argument("--repeats", type=int, default=1)
+    sv.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     sv.add_argument("--cpu-threads", type=int, default=None,
                     help="the served target's torch threads (default: the config's, following the load)")
 
     fu = sub.add_parser("bench-followup", help="follow-up turn latency over gRPC: KV held by its lease vs evicted")
     fu.add_argument("--limit", type=int, default=3, help="agentic histories (~3-4K tokens each)")
+    fu.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     fu.add_argument("--max-tokens", type=int, default=16)
     fu.add_argument("--kv-tokens", type=int, default=12288,
                     help="KV pool: room for the held history and one more, so the filler must evict")

@@ -35,7 +35,7 @@ def run(args) -> dict:
 
     items = load_workload("agentic", args.limit)
     engine_args = EngineArgs(max_kv_tokens=args.kv_tokens, disaggregated_draft=False,
-                             dtype=getattr(args, "dtype", "auto"))
+                             dtype=args.dtype)
     rows = []
     with local_app(engine_args, tenants=1) as keys:
         metadata = (("application", "dlite"), ("authorization", f"Bearer {keys[0]}"))

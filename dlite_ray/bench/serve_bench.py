@@ -38,9 +38,8 @@ def run(args) -> dict:
     from dlite_ray.serve.proto import dlite_pb2_grpc
 
     items = [i for w in args.workload.split(",") for i in load_workload(w, args.limit)]
-    dtype = getattr(args, "dtype", "auto")
-    library = DLiteEngine.from_pretrained(None, "default", dtype=dtype, enable_prefix_cache=False)
-    engine = EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads, dtype=dtype)
+    library = DLiteEngine.from_pretrained(None, "default", dtype=args.dtype, enable_prefix_cache=False)
+    engine = EngineArgs(disaggregated_draft=True, cpu_threads=args.cpu_threads, dtype=args.dtype)
     with local_app(engine, tenants=1) as keys:
         metadata = (("application", "dlite"), ("authorization", f"Bearer {keys[0]}"))
         worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")

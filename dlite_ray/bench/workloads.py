@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import sysconfig
@@ -118,6 +119,11 @@ def _long_context(limit: int) -> list[Item]:
 
 def long_context_text(chars: int) -> str:
     """The first `chars` characters of some standard-library source (~370K in all)."""
+    return _stdlib_source()[:chars]
+
+
+@functools.cache
+def _stdlib_source() -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = ("textwrap.py", "shlex.py", "fractions.py", "argparse.py", "difflib.py", "inspect.py")
-    return "".join((root / f).read_text() for f in files)[:chars]
+    return "".join((root / f).read_text() for f in files)

@@ -110,10 +110,7 @@ class SpecDecoder:
         caps = [self._max_draft(s) for s in decodes]
         proposed = [self._copy(s) for s in decodes]  # (tokens, from an earlier reply, forced by a grammar) per row
         ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c, _, _ in proposed],
-                                [reply for _, reply, _ in proposed])
-        # what a grammar forces is certain to be kept, each token a step saved for one row's
-        # cost: verified whole, whatever the policy measured of speculating
-        ks = [len(c) if forced else k for (c, _, forced), k in zip(proposed, ks)]
+                                [reply for _, reply, _ in proposed], [forced for _, _, forced in proposed])
         copies = [c[:k] for (c, _, _), k in zip(proposed, ks)]  # what the policy kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
         drafts, runners_up, q_probs, draft_time, failed = self._draft(decodes, draft_ks)

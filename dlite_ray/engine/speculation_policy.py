@@ -15,7 +15,7 @@ plain decoding. Copies are held to it too: in the first `make bench` run, copies
 model let through made compute-bound steps slower than plain decoding (0.83x at 16 requests
 in flight, 0.75x at 32; 0.94x and 0.88x once copies answered to the guard), while at batch 1
 they are what agent turns gain most from, and the measured rate says so. What a grammar
-forces is exempt (`spec_decode.py`): those tokens are certain.
+forces is exempt (`choose`'s `forced`): those tokens are certain.
 
 Rows that copy from their context (`context_lookup.py`) are allocated by the same model:
 their tokens cost forward time but no draft call, and each is accepted with the row's own
@@ -132,12 +132,15 @@ class SpeculationPolicy:
         self._branches = [self._branches[0] * d + kept, self._branches[1] * d + verified]
 
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
-               copy_caps: list[int] | None = None, from_reply: list[bool] | None = None) -> list[int]:
+               copy_caps: list[int] | None = None, from_reply: list[bool] | None = None,
+               forced: list[bool] | None = None) -> list[int]:
         """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied where
         copy_caps[i] > 0 (up to that many; the row then drafts nothing), from the context or,
-        where from_reply[i], from an earlier reply."""
+        where from_reply[i], from an earlier reply; where forced[i] (its grammar allows only
+        those tokens), all copy_caps[i] of them, whatever was measured."""
         copy_caps = copy_caps or [0] * len(seqs)
         from_reply = from_reply or [False] * len(seqs)
+        forced = forced or [False] * len(seqs)
         caps = [0 if copy else min(c, self.max_draft_tokens) for c, copy in zip(caps, copy_caps)]
         if not self.adaptive or not seqs or max(caps) + max(copy_caps) == 0:
             return [copy or c for c, copy in zip(caps, copy_caps)]
@@ -151,7 +154,8 @@ class SpeculationPolicy:
         if speculate and not any(ks):
             # measuring speculation the model would not try: one drafted (or copied) token a row
             ks = [min(copy or cap, 1) for cap, copy in zip(caps, copy_caps)]
-        chosen = ks if speculate else [0] * len(ks)
+        # forced tokens are certain, each a step saved for one row's cost: verified whole
+        chosen = [copy if must else (k if speculate else 0) for k, copy, must in zip(ks, copy_caps, forced)]
         for seq, k, copy, reply in zip(seqs, chosen, copy_caps, from_reply):
             _decay_idle(self._accept, seq, k == 0 and not copy, self.IDLE_DECAY)
             _decay_idle(self._copy_accept, seq, not (copy and k and not reply), self.IDLE_DECAY)
