@@ -14,8 +14,8 @@ def test_the_policy_is_told_the_prefill_tokens_not_the_chunks(tiny_target, tiny_
     engine = make_engine(tiny_target, tiny_draft)
     calls = []
     choose = engine.policy.choose
-    engine.policy.choose = lambda seqs, caps, prefill_tokens=0, copy_caps=None, from_reply=None: (
-        calls.append((len(seqs), prefill_tokens)) or choose(seqs, caps, prefill_tokens, copy_caps, from_reply))
+    engine.policy.choose = lambda seqs, caps, prefill_tokens=0, *rest: (
+        calls.append((len(seqs), prefill_tokens)) or choose(seqs, caps, prefill_tokens, *rest))
     engine.add_request(list(range(3, 12)), SamplingParams(max_new_tokens=8))
     engine.step()  # its prefill
     engine.add_request(list(range(20, 45)), SamplingParams(max_new_tokens=8))
