@@ -48,7 +48,7 @@ def kernels() -> ModuleType | None:
         log.info("loading the fused CPU kernels (compiled once per machine, ~60 s)")
         built = load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES], extra_cflags=CFLAGS)
         if built.row_linear_uses_amx(32):  # the unit is fixed per process: it sets speed and bits
-            log.info("bf16 linears run on the AMX tile unit (DLITE_AMX=0: the dot-product instruction)")
+            log.info("bf16 linears and attention run on the AMX tile unit (DLITE_AMX=0: the dot-product instruction)")
         return built
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
         log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)

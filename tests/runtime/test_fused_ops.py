@@ -5,6 +5,8 @@ target's inference forward, never a forward that trains."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.cpu_features import cpu_flags
 from dlite_ray.runtime.layers import DecoderLayer, Rotary
 
 DTYPES = [torch.bfloat16, torch.float32]
@@ -256,6 +259,33 @@ def test_tree_attention_refuses_chains_that_do_not_share_their_context(kernels, 
         kernels.tree_attention(q, k_cache, v_cache, [(0, 2, 300, slots[:302]), (3, 1, 300, slots[:301])], 300)
     with pytest.raises(RuntimeError, match="inside the shared context"):
         kernels.tree_attention(q, k_cache, v_cache, [(0, 4, 300, slots[:304])], 301)
+
+
+AMX_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_fused_ops import _decode_inputs
+from dlite_ray.runtime import fused_ops
+q, k_cache, v_cache, slots = _decode_inputs(8, torch.bfloat16, int(sys.argv[3]))
+torch.save(fused_ops.kernels().decode_attention(q, k_cache, v_cache, slots, 3000), sys.argv[1])
+"""
+
+
+@pytest.mark.skipif("amx_bf16" not in cpu_flags() or os.environ.get("DLITE_AMX") == "0",
+                    reason="the tile unit (AMX) is a Xeon's from Sapphire Rapids on, and DLITE_AMX=0 refuses it")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_attention_runs_on_the_tile_unit_where_the_cpu_has_it(kernels, tmp_path, head_dim):
+    """Where the process may use AMX, bf16 scores and P.V sums are tile products: close to the
+    dot-product path's (DLITE_AMX=0) but not equal in every bit, which is why the unit is
+    fixed per process (its rows' exactness: the tests above, which run on it here)."""
+    outs = {}
+    for amx in ("1", "0"):
+        path = tmp_path / f"amx{amx}.pt"
+        subprocess.run([sys.executable, "-c", AMX_SCRIPT, str(path), os.path.dirname(__file__), str(head_dim)],
+                       check=True, env={**os.environ, "DLITE_AMX": amx})
+        outs[amx] = torch.load(path)
+    torch.testing.assert_close(outs["1"].float(), outs["0"].float(), rtol=0.02, atol=0.02)
+    assert not torch.equal(outs["1"], outs["0"])
 
 
 def test_prefill_chunks_attend_through_our_kernel_while_its_partials_stay_bounded(kernels, decode_case):

@@ -63,6 +63,10 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              int64_t shared);
 
 // row_linear.cpp
+// Whether bf16 kernels run on the AMX tile unit in this process: built with AMX, granted the
+// tile state by Linux, and not refused by DLITE_AMX=0. Fixed for the process's life, since
+// the unit's bits differ from the dot-product instruction's in the last place.
+bool amx_enabled();
 torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          int64_t n);
 

@@ -107,17 +107,6 @@ void panel(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) 
 constexpr int kAmxRows = 16;   // rows of a tile
 constexpr int64_t kAmxK = 32;  // bf16 values of K per tile step: 16 pairs
 
-// Linux hands out the tile registers' state on request, once per process; DLITE_AMX=0 refuses.
-bool amx_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("DLITE_AMX");
-    if (env != nullptr && std::string(env) == "0") return false;
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM)
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return enabled;
-}
-
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -229,6 +218,21 @@ void linear(const T* x, int64_t m, int64_t k, const T* packed, const T* bias, in
 }  // namespace
 
 namespace dlite {
+
+// Linux hands out the tile registers' state on request, once per process; DLITE_AMX=0 refuses.
+bool amx_enabled() {
+#ifdef DLITE_LINEAR_AMX
+  static const bool enabled = [] {
+    const char* env = std::getenv("DLITE_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // arch_prctl(ARCH_REQ_XCOMP_PERM)
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
 
 // Whether bf16 linears of inner size k run on the tile unit here: fixed per process and shape.
 bool uses_amx(int64_t k) {
