@@ -248,6 +248,24 @@ def test_tree_attention_gives_each_chain_the_bits_of_decode_attention(kernels, d
         assert torch.equal(got[start:start + length], alone)
 
 
+def test_batch_attention_gives_each_sequence_the_bits_of_decode_attention(kernels, decode_case):
+    """A batch's sequences in one call (a layer's decode / verify rows of every sequence), at
+    contexts of other lengths and in other slots: each row as its sequence alone."""
+    q, k_cache, v_cache, slots = _decode_inputs(14, *decode_case)
+    # (rows, first position): a decode row, a verify chain across a chunk boundary, a long one
+    shapes, spans, start = [(1, 40), (5, 1533), (8, 4090)], [], 0
+    for i, (length, first) in enumerate(shapes):
+        own = slots.roll(1000 * i)[:first + length].clone()
+        spans.append((start, length, first, own))
+        start += length
+    got = kernels.batch_attention(q, k_cache, v_cache, spans)
+    for start, length, first, own in spans:
+        alone = kernels.decode_attention(q[start:start + length].contiguous(), k_cache, v_cache, own, first)
+        assert torch.equal(got[start:start + length], alone)
+    with pytest.raises(RuntimeError, match="tile q's rows"):
+        kernels.batch_attention(q, k_cache, v_cache, spans[1:])
+
+
 def test_tree_attention_refuses_chains_that_do_not_share_their_context(kernels, decode_case):
     q, k_cache, v_cache, slots = _decode_inputs(4, *decode_case)
     other = slots.clone()

@@ -593,7 +593,21 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
     for (int64_t s = 0; s < static_cast<int64_t>(spans.size()); ++s)
       for (int64_t c = common; c * kChunk < spans[s].first + spans[s].len; ++c) items.push_back({h, c, s});
   }
-  std::vector<Partial<D>> partials(hkv * chunks * rows);
+  // Each span's partials, [Hkv][its chunks][its rows], one span after another: a batch of
+  // sequences of unequal lengths holds no more than each would alone.
+  std::vector<int64_t> span_of(t), base(spans.size());
+  int64_t total = 0;
+  for (size_t s = 0; s < spans.size(); ++s) {
+    for (int64_t i = 0; i < spans[s].len; ++i) span_of[spans[s].start + i] = s;
+    base[s] = total;
+    total += hkv * ((spans[s].first + spans[s].len + kChunk - 1) / kChunk) * spans[s].len * group;
+  }
+  std::vector<Partial<D>> partials(total);
+  auto partial = [&](int64_t h, int64_t c, int64_t r) {  // row r's partial over chunk c of KV head h
+    const dlite::SpanKeys& span = spans[span_of[r / group]];
+    const int64_t span_rows = span.len * group, span_chunks = (span.first + span.len + kChunk - 1) / kChunk;
+    return &partials[base[span_of[r / group]] + (h * span_chunks + c) * span_rows + r - span.start * group];
+  };
   const int64_t num_items = items.size(), grain = hkv * ctx * rows < (1 << 14) ? num_items : 1;
   at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
     std::vector<const Elem*> keys(kChunk);
@@ -624,7 +638,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
         const int64_t token = r / group, seen = std::min(count, position[token] + 1 - start);
         if (seen <= 0) continue;  // the chunk lies wholly after the row's position
         live[n++] = {qp + (token * hq + h * group + r % group) * D, scores.data() + r * kChunk, seen,
-                     &partials[(h * chunks + c) * rows + r]};
+                     partial(h, c, r)};
       }
 #ifdef DLITE_DECODE_AMX
       if constexpr (Cache::kAmx) {
@@ -644,7 +658,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   for (int64_t h = 0; h < hkv; ++h) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = r / group, count = position[token] / kChunk + 1;
-      for (int64_t c = 0; c < count; ++c) parts[c] = &partials[(h * chunks + c) * rows + r];
+      for (int64_t c = 0; c < count; ++c) parts[c] = partial(h, c, r);
       merge_chunks<D>(parts.data(), count, op + (token * hq + h * group + r % group) * D);
     }
   }
@@ -746,9 +760,30 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   return attend_spans(q, k_cache, v_cache, keys, shared);
 }
 
+// Several sequences' new rows in one call: span i, (start, len, first, slots), is rows
+// [start, start + len) of q at positions first .., attending its own slots as
+// `decode_attention` does; the spans tile q's rows in order. One call a layer for a batch,
+// its (KV head, chunk, sequence) items shared among the threads, where a call per sequence
+// ran each short one on one thread; each row's bits are those of its sequence alone. -> [T, Hq, D].
+torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans) {
+  check_tensors(q, k_cache, v_cache);
+  TORCH_CHECK(!spans.empty(), "batch_attention: no spans");
+  std::vector<SpanKeys> keys;
+  int64_t next = 0;
+  for (const auto& [start, len, first, slots] : spans) {
+    TORCH_CHECK(start == next, "batch_attention: the spans must tile q's rows in order");
+    keys.push_back(span_keys(start, len, first, slots, k_cache.size(1)));
+    next = start + len;
+  }
+  TORCH_CHECK(next == q.size(0), "batch_attention: the spans must tile q's rows in order");
+  return attend_spans(q, k_cache, v_cache, keys, 0);
+}
+
 }  // namespace dlite
 
 void register_decode_attention(pybind11::module& m) {
   m.def("decode_attention", &dlite::decode_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("tree_attention", &dlite::tree_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("batch_attention", &dlite::batch_attention, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -77,6 +77,11 @@ class DecoderLayers {
       const auto& [start, len, first, slots, tree] = spans[0];
       return dlite::decode_attention(q, k_cache, v_cache, slots, first);
     }
+    if (std::none_of(spans.begin(), spans.end(), [](const Span& s) { return std::get<4>(s) >= 0; })) {
+      std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>> batch;  // no trees: one call
+      for (const auto& [start, len, first, slots, tree] : spans) batch.emplace_back(start, len, first, slots);
+      return dlite::batch_attention(q, k_cache, v_cache, batch);
+    }
     std::vector<torch::Tensor> outs;
     outs.reserve(spans.size());
     for (size_t i = 0; i < spans.size();) {

@@ -61,6 +61,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k_ca
 torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                              const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans,
                              int64_t shared);
+torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans);
 
 // row_linear.cpp
 // Whether bf16 kernels run on the AMX tile unit in this process: built with AMX, granted the
