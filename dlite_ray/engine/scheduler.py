@@ -8,7 +8,11 @@ recompute, the crop of what a round did not keep, and finishing (a boundary save
 pinned under the conversation's lease until released).
 
 Each step's batch is a ragged mix of prefill chunks and decode rows; a decode row needs
-room for its anchor plus up to `lookahead - 1` drafted tokens. The model runner only
+room for its anchor plus up to `lookahead - 1` drafted tokens. Its KV is reserved for all of
+them, but the step's token budget counts its anchor only: the prefill chunks come first, and
+the rows verify what the budget has left (`Schedule.spare_tokens`). Budgeting each row's
+whole lookahead starved prefill in a batch where few rows speculate: 32 decoding rows held
+512 of 1,024 tokens, and the last of 32 requests started 0.8 s later than without a draft. The model runner only
 reads each row's block table and applies the schedule's block copies.
 """
 
@@ -50,6 +54,9 @@ class Schedule:
     decodes: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) KV blocks to copy before the forward
+    # Tokens the decode rows may verify beyond their anchors, all together, within the step's
+    # token budget (None: no bound).
+    spare_tokens: int | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -173,7 +180,7 @@ class Scheduler:
             if seq in self.running and self.blocks.can_hold(seq.block_table, need):
                 self._reserve(seq, need)
                 out.decodes.append(seq)
-                budget -= min(self.lookahead, need - seq.num_computed)
+                budget -= 1  # its anchor: what it verifies beyond comes out of what prefill leaves
         # 2. prefill chunks: running sequences mid-prefill, then admissions
         for seq in [s for s in self.running if s.num_to_prefill > 0]:
             budget = self._plan_prefill(seq, budget, out)
@@ -199,6 +206,7 @@ class Scheduler:
             out.prefills.append((seq, chunk))
             budget -= chunk
         out.copies = self.blocks.take_copies()
+        out.spare_tokens = max(0, budget)
         return out
 
     def _start(self, seq: Sequence) -> None:

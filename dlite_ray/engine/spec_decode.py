@@ -83,7 +83,7 @@ class SpecDecoder:
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
         step_started = time.perf_counter()
         decodes = schedule.decodes
-        proposal = self._propose_round(decodes, sum(n for _, n in schedule.prefills))
+        proposal = self._propose_round(decodes, sum(n for _, n in schedule.prefills), schedule.spare_tokens)
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
         rows += [RowInput(s, tree.tokens, len(tree.tokens), None if tree.is_chain else tree.parents)
                  for s, tree in zip(decodes, proposal.trees)]
@@ -104,13 +104,13 @@ class SpecDecoder:
                                      time.perf_counter() - step_started)
         return emitted
 
-    def _propose_round(self, decodes: list[Sequence], prefill_tokens: int) -> RoundProposal:
+    def _propose_round(self, decodes: list[Sequence], prefill_tokens: int, room: int | None = None) -> RoundProposal:
         """What each decode row verifies this step: a copy (from its context or an earlier
         reply), a draft, or nothing (plain decoding), as the policy allocates."""
         caps = [self._max_draft(s) for s in decodes]
         proposed = [self._copy(s) for s in decodes]  # (tokens, from an earlier reply, forced by a grammar) per row
         ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c, _, _ in proposed],
-                                [reply for _, reply, _ in proposed], [forced for _, _, forced in proposed])
+                                [reply for _, reply, _ in proposed], [forced for _, _, forced in proposed], room)
         copies = [c[:k] for (c, _, _), k in zip(proposed, ks)]  # what the policy kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
         drafts, runners_up, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
@@ -119,29 +119,34 @@ class SpecDecoder:
         trees = [CandidateTree.chain(s.anchor, t, q_probs.get(i) if q_probs and not c and s.params.mode == REJECTION
                                      else None)  # a greedy draft's tokens were not drawn from its q
                  for i, (s, t, c) in enumerate(zip(decodes, tokens, copies))]
+        left = None if room is None else room - sum(ks)  # the step's budget, for branches
         for seq, tree, others in zip(decodes, trees, runners_up):
-            self._branch_out(seq, tree, others)
+            added = self._branch_out(seq, tree, others, left)
+            left = None if left is None else left - added
         return RoundProposal(tokens, [bool(c) for c in copies], from_reply, [len(d) for d in drafts], q_probs,
                              draft_time, failed, trees)
 
-    def _branch_out(self, seq: Sequence, tree: CandidateTree, runners_up: list[int]) -> None:
+    def _branch_out(self, seq: Sequence, tree: CandidateTree, runners_up: list[int], step_room: int | None) -> int:
         """Branches next to the row's main proposal, within the tokens the policy finds worth
-        verifying: at each drafted position the draft's runner-up (one token, where the
-        drafted one may be rejected), then other continuations of the row's last tokens in
-        its context. Each is chosen without the target, so verifying it keeps the output exact."""
+        verifying and what is left of the step's budget (`step_room`; None: no bound): at each
+        drafted position the draft's runner-up (one token, where the drafted one may be
+        rejected), then other continuations of the row's last tokens in its context. Each is
+        chosen without the target, so verifying it keeps the output exact. -> tokens added."""
         if not self.tree_tokens or not tree.main or seq.grammar is not None:  # grammars mask a chain
-            return
+            return 0
         # branch nodes are stored after the main proposal: within the model's context too
         room = self.runner.max_context - seq.num_computed - 1 - tree.main
-        budget = min(self.policy.branch_budget(self.tree_tokens), room)
+        budget = min(self.policy.branch_budget(self.tree_tokens), room, *([] if step_room is None else [step_room]))
         if budget <= 0:
-            return
+            return 0
         main = tree.tokens[1:tree.main + 1]
         branches = [main[:depth] + [token] for depth, token in enumerate(runners_up)]
+        added = 0
         for branch in branches + self.lookup.alternatives(seq, self._room(seq), self.MAX_BRANCHES):
-            if budget <= 0:
-                return
-            budget -= tree.add(branch, max_new=budget)
+            if budget <= added:
+                break
+            added += tree.add(branch, max_new=budget - added)
+        return added
 
     def _commit_prefills(self, prefills: list[tuple[Sequence, int]], outs: list[RowOutput], seconds: float) -> None:
         for (seq, n), out in zip(prefills, outs):

@@ -9,9 +9,11 @@ j-th drafted token adds prod_{m <= j} alpha_i * f_m expected tokens. Starting fr
 draft tokens are added greedily while they raise expected tokens per second of the
 whole step; when speculation does not pay (low acceptance, compute-bound batch), every
 K_i stays 0 and the engine decodes plainly. Whether to speculate at all, by drafting or by
-copying, is then checked against what speculative and plain steps measurably delivered at
-this batch size (`StepRates`), so a wrong cost model cannot make the engine slower than
-plain decoding. Copies are held to it too: in the first `make bench` run, copies the cost
+copying, and how deep, is then settled by what plain steps and speculative steps of a few
+depths measurably delivered at this batch size (`StepRates`: plain, at most 1 or 3 tokens a
+row, or this allocation), so a wrong cost model cannot make the engine slower than plain
+decoding, and where it drafts too deep for a compute-bound batch a shallower arm wins. Copies
+are held to it too: in the first `make bench` run, copies the cost
 model let through made compute-bound steps slower than plain decoding (0.83x at 16 requests
 in flight, 0.75x at 32; 0.94x and 0.88x once copies answered to the guard), while at batch 1
 they are what agent turns gain most from, and the measured rate says so. What a grammar
@@ -45,7 +47,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from dlite_ray.engine.sequence import Sequence
-from dlite_ray.engine.step_rates import StepRates
+from dlite_ray.engine.step_rates import Arm, StepRates
 
 
 @dataclass(slots=True)
@@ -89,6 +91,7 @@ class SpeculationPolicy:
         self._positions = [[0.0, 0.0] for _ in range(max_draft_tokens)]
         self._branches = [0.0, 0.0]  # decayed (tokens kept beyond the main proposal, branch tokens verified)
         self._step_rate = 0.0  # tokens per second the last allocation expected of its step
+        self._arm: Arm = 0  # what the guard chose for the step being run (StepRates)
 
     def alpha(self, seq: Sequence) -> float:
         return _rate(self._accept.get(seq, (0.0, 0.0)), self._global, self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
@@ -133,29 +136,35 @@ class SpeculationPolicy:
 
     def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
                copy_caps: list[int] | None = None, from_reply: list[bool] | None = None,
-               forced: list[bool] | None = None) -> list[int]:
+               forced: list[bool] | None = None, room: int | None = None) -> list[int]:
         """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied where
         copy_caps[i] > 0 (up to that many; the row then drafts nothing), from the context or,
         where from_reply[i], from an earlier reply; where forced[i] (its grammar allows only
-        those tokens), all copy_caps[i] of them, whatever was measured."""
+        those tokens), all copy_caps[i] of them, whatever was measured; `room` tokens at most
+        in all (the step's token budget), the longest rows cut first."""
         copy_caps = copy_caps or [0] * len(seqs)
         from_reply = from_reply or [False] * len(seqs)
         forced = forced or [False] * len(seqs)
         caps = [0 if copy else min(c, self.max_draft_tokens) for c, copy in zip(caps, copy_caps)]
+        self._arm = 0
         if not self.adaptive or not seqs or max(caps) + max(copy_caps) == 0:
-            return [copy or c for c, copy in zip(caps, copy_caps)]
+            return _within([copy or c for c, copy in zip(caps, copy_caps)], room)
         ks, pays = self._allocate(seqs, caps, copy_caps, from_reply, prefill_tokens)
-        speculate = pays
+        arm: Arm = None if pays else 0
         if self.rates is not None:
             # Steps with prefill chunks are not measured (their time is mostly the prefill's),
             # but they follow what the measured steps found.
-            speculate = (self.rates.should_speculate(len(seqs), pays) if prefill_tokens == 0
-                         else self.rates.verdict(len(seqs), pays))
-        if speculate and not any(ks):
+            arm = self.rates.choose(len(seqs), pays) if prefill_tokens == 0 else self.rates.verdict(len(seqs), pays)
+        self._arm = arm
+        limits = [copy or cap for cap, copy in zip(caps, copy_caps)]
+        if arm is None and not any(ks):
             # measuring speculation the model would not try: one drafted (or copied) token a row
-            ks = [min(copy or cap, 1) for cap, copy in zip(caps, copy_caps)]
+            ks = [min(limit, 1) for limit in limits]
+        elif arm:  # a capped arm: at least 1 and at most `arm` tokens a row, the model's allocation between
+            ks = [min(arm, max(k, 1), limit) for k, limit in zip(ks, limits)]
         # forced tokens are certain, each a step saved for one row's cost: verified whole
-        chosen = [copy if must else (k if speculate else 0) for k, copy, must in zip(ks, copy_caps, forced)]
+        chosen = _within([copy if must else (k if arm != 0 else 0) for k, copy, must in zip(ks, copy_caps, forced)],
+                         room)
         for seq, k, copy, reply in zip(seqs, chosen, copy_caps, from_reply):
             _decay_idle(self._accept, seq, k == 0 and not copy, self.IDLE_DECAY)
             _decay_idle(self._copy_accept, seq, not (copy and k and not reply), self.IDLE_DECAY)
@@ -224,9 +233,11 @@ class SpeculationPolicy:
         return [alpha ** j for j in range(1, cap + 1)]
 
     def observe_step(self, batch: int, ks: list[int], tokens: int, seconds: float) -> None:
-        """What a decode-only step delivered: `tokens` emitted in `seconds` of the whole step."""
-        if self.rates is not None and batch > 0:
-            self.rates.record(batch, max(ks, default=0) > 0, tokens, seconds)
+        """What a decode-only step delivered: `tokens` emitted in `seconds` of the whole step,
+        credited to the arm the guard chose for it (not to plain decoding where a grammar's
+        forced tokens were verified in it anyway)."""
+        if self.rates is not None and batch > 0 and not (self._arm == 0 and max(ks, default=0) > 0):
+            self.rates.record(batch, self._arm, tokens, seconds)
 
     def observe(self, forward_tokens: int, forward_time: float, draft_time: float, ks: list[int]) -> None:
         """One step's costs: the forward over `forward_tokens` new tokens (verification
@@ -255,6 +266,16 @@ class SpeculationPolicy:
             reached = j < examined
             position[0] = position[0] * self.DEPTH_DECAY + (reached and j < accepted)
             position[1] = position[1] * self.DEPTH_DECAY + reached
+
+
+def _within(ks: list[int], room: int | None) -> list[int]:
+    """ks cut to `room` tokens in all (None: as they are): the longest first, one at a time."""
+    if room is None or sum(ks) <= room:
+        return ks
+    ks = list(ks)
+    for _ in range(sum(ks) - max(room, 0)):
+        ks[ks.index(max(ks))] -= 1
+    return ks
 
 
 def _decay_idle(evidence: weakref.WeakKeyDictionary, seq: Sequence, idle: bool, decay: float) -> None:

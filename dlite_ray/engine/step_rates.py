@@ -1,20 +1,29 @@
-"""Measured tokens per second of speculative vs plain steps, per batch-size bucket.
+"""Measured tokens per second of plain steps and of speculative steps at a few depths, per
+batch-size bucket.
 
 The cost model in `speculation_policy.py` allocates draft positions, but a model can be
-wrong about a machine (per-row overheads, a compute-bound CPU at batch 4, a draft whose
-acceptance drifts). This guard settles "speculate or not" on what the steps actually
-delivered: after each mode has been measured a few times at this batch size, the faster
-one runs, and the slower one is re-measured now and then so a change (a better draft,
-other prompts) is noticed. A probe costs the gap between the two modes, so the wider the
-gap, the rarer the probe: every EXPLORE_EVERY steps at a tie, every EXPLORE_EVERY * lead**2
-at a lead (32 at 2x, the usual lead of a trained draft at batch 1 on a CPU, where probing
-every 8 steps cost ~6% of the throughput), never rarer than MAX_EXPLORE_EVERY.
+wrong about a machine (per-row overheads, a compute-bound CPU at batch 16, a draft whose
+acceptance drifts). This guard settles how deep a step speculates on what the steps
+actually delivered. Its arms: plain decoding (0), every row verifying at most 1 or 3
+proposed tokens (and at least 1 where it has any), and the cost model's own allocation
+(None). In the first `make bench` runs the guard had only plain and the model's allocation:
+at 16 requests in flight on 2 cores the model's deep drafts delivered ~450-530 tokens/s and
+plain steps ~630, so it decoded plainly, while one proposed token a row delivered 660-750.
+After each arm has been measured a few times at this batch size, the fastest runs, and the
+others are re-measured now and then so that a change (a better draft, other prompts) is
+noticed. A probe costs the gap between the arms, so the wider an arm's gap, the rarer its
+probe: EXPLORE_EVERY steps at a tie, EXPLORE_EVERY * lead**2 at a lead (32 at 2x, the usual
+lead of a trained draft at batch 1 on a CPU, where probing every 8 steps cost ~6% of the
+throughput), times the number of other arms, so that all probes together cost about what one
+other arm's would; never rarer than MAX_EXPLORE_EVERY.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+
+Arm = int | None  # 0: plain decoding; n: at most n proposed tokens a row; None: the cost model's allocation
 
 
 @dataclass(slots=True)
@@ -31,6 +40,7 @@ class _Rate:
     token_weight: float = 0.0
     second_weight: float = 0.0
     samples: int = 0
+    last_step: int = 0  # the bucket's step count at its last sample
 
     def add(self, tokens: int, seconds: float, token_decay: float, second_decay: float) -> None:
         self.tokens = self.tokens * token_decay + tokens
@@ -52,47 +62,60 @@ def batch_bucket(batch: int) -> int:
 
 
 class StepRates:
-    # SECOND_DECAY: a mode's step time is mostly its last two or three samples, so two or
-    # three probes notice that the slower mode became the faster one (within ~100 steps at
+    # SECOND_DECAY: an arm's step time is mostly its last two or three samples, so two or
+    # three probes notice that a slower arm became the faster one (within ~100 steps at
     # a 2x lead, ~25 at a tie). TOKEN_DECAY: tokens per step average over ~10 samples
     # (acceptance is noisy step to step).
     MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 64, 0.5, 0.9
+    ARMS: tuple[Arm, ...] = (0, 1, 3, None)
 
-    def __init__(self) -> None:
-        self._rates: dict[tuple[int, bool], _Rate] = {}
-        self._since_probe: Counter[int] = Counter()
+    def __init__(self, arms: tuple[Arm, ...] = ARMS) -> None:
+        self.arms = arms
+        self._rates: dict[tuple[int, Arm], _Rate] = {}
+        self._steps: Counter[int] = Counter()
 
-    def record(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
-        rate = self._rates.setdefault((batch_bucket(batch), speculated), _Rate())
-        rate.add(tokens, seconds, self.TOKEN_DECAY, self.SECOND_DECAY)
-
-    def rate(self, batch: int, speculated: bool) -> float:
-        return self._rates.get((batch_bucket(batch), speculated), _Rate()).value
-
-    def verdict(self, batch: int, model_says: bool) -> bool:
-        """The measured choice without probing (for steps that are not measured, e.g. with
-        prefill chunks in them): the faster mode once both are known, else the model's."""
-        spec, plain = (self._rates.get((batch_bucket(batch), mode), _Rate()) for mode in (True, False))
-        if spec.samples < self.MIN_SAMPLES or plain.samples < self.MIN_SAMPLES:
-            return model_says
-        return spec.value >= plain.value
-
-    def should_speculate(self, batch: int, model_says: bool) -> bool:
+    def record(self, batch: int, arm: Arm, tokens: int, seconds: float) -> None:
         b = batch_bucket(batch)
-        self._since_probe[b] += 1
-        spec, plain = (self._rates.get((b, mode), _Rate()) for mode in (True, False))
-        known_spec, known_plain = spec.samples >= self.MIN_SAMPLES, plain.samples >= self.MIN_SAMPLES
-        if not known_spec and not known_plain:
-            return model_says  # measure the model's choice first
-        if not known_spec or not known_plain:
-            return not known_spec  # then the other one
-        best = spec.value >= plain.value
-        if self._since_probe[b] >= self.probe_interval(spec.value, plain.value):
-            self._since_probe[b] = 0
-            return not best  # keep the other figure current
-        return best
+        rate = self._rates.setdefault((b, arm), _Rate())
+        rate.add(tokens, seconds, self.TOKEN_DECAY, self.SECOND_DECAY)
+        rate.last_step = self._steps[b]
 
-    def probe_interval(self, spec_rate: float, plain_rate: float) -> int:
-        """Steps between probes of the slower mode: EXPLORE_EVERY times the squared lead."""
-        lead = max(spec_rate, plain_rate) / max(min(spec_rate, plain_rate), 1e-9)
-        return min(self.MAX_EXPLORE_EVERY, round(self.EXPLORE_EVERY * lead ** 2))
+    def rate(self, batch: int, arm: Arm) -> float:
+        return self._get(batch_bucket(batch), arm).value
+
+    def verdict(self, batch: int, model_says: bool) -> Arm:
+        """The measured choice without probing (for steps that are not measured, e.g. with
+        prefill chunks in them): the fastest arm once all are known, else the model's."""
+        b = batch_bucket(batch)
+        if any(self._get(b, arm).samples < self.MIN_SAMPLES for arm in self.arms):
+            return None if model_says else 0
+        return self._best(b)
+
+    def choose(self, batch: int, model_says: bool) -> Arm:
+        """The arm this step runs: unmeasured arms first (the model's choice, then the other of
+        plain and the model's, then the capped ones), then the fastest, but an arm whose
+        probe is due, the longest overdue, once every probe interval."""
+        b = batch_bucket(batch)
+        self._steps[b] += 1
+        preferred = (None, 0) if model_says else (0, None)
+        for arm in (*preferred, *self.arms):
+            if arm in self.arms and self._get(b, arm).samples < self.MIN_SAMPLES:
+                return arm
+        best = self._best(b)
+        top = self._get(b, best).value
+        overdue = {arm: self._steps[b] - self._get(b, arm).last_step - self.probe_interval(top, self._get(b, arm).value)
+                   for arm in self.arms if arm != best}  # steps past its probe's due
+        arm = max(overdue, key=overdue.get)
+        return arm if overdue[arm] >= 0 else best
+
+    def probe_interval(self, best_rate: float, other_rate: float) -> int:
+        """Steps between probes of a slower arm: EXPLORE_EVERY times the squared lead, times
+        the number of other arms."""
+        lead = max(best_rate, other_rate) / max(min(best_rate, other_rate), 1e-9)
+        return min(self.MAX_EXPLORE_EVERY, round(self.EXPLORE_EVERY * lead ** 2 * (len(self.arms) - 1)))
+
+    def _best(self, bucket: int) -> Arm:
+        return max(self.arms, key=lambda arm: self._get(bucket, arm).value)
+
+    def _get(self, bucket: int, arm: Arm) -> _Rate:
+        return self._rates.get((bucket, arm)) or _Rate()

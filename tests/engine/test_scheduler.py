@@ -76,3 +76,19 @@ def test_abort_removes_a_waiting_or_running_request():
     assert sched.abort(a.request_id) is a and a.finish_reason == "abort"
     assert sched.abort("nope") is None
     assert sched.running == [b]
+
+
+def test_decode_rows_hold_their_anchor_of_the_budget_and_verify_what_prefill_leaves():
+    """A decode row reserves KV for its whole lookahead, but only its anchor counts against the
+    step's token budget: prefill chunks come first, and the rows share what is left."""
+    sched = Scheduler(SchedulerConfig(max_batch_tokens=12), BlockManager(64, 4), lookahead=8)
+    a, b = seq(3), seq(30)
+    sched.add(a)
+    run_schedule(sched)  # a's prefill
+    sched.add(b)
+    step = run_schedule(sched)
+    assert step.decodes == [a] and [(s, n) for s, n in step.prefills] == [(b, 11)]
+    assert step.spare_tokens == 0
+    later = sched.schedule()
+    assert [(s, n) for s, n in later.prefills] == [(b, 11)] and later.spare_tokens == 0
+    assert len(a.block_table) * 4 >= a.num_computed + 8  # KV for its whole lookahead

@@ -81,8 +81,8 @@ def test_a_measured_no_to_speculating_stops_copying_too():
     """In a compute-bound batch, copies the cost model lets through can make a step slower
     than plain decoding (docs/bench: 0.75x at 32 in flight); the measured verdict holds them."""
     policy, seq = _copy_policy(0.95)
-    policy.rates = type("NoSpeculation", (), {"should_speculate": lambda self, n, pays: False,
-                                              "verdict": lambda self, n, pays: False})()
+    policy.rates = type("NoSpeculation", (), {"choose": lambda self, n, pays: 0,
+                                              "verdict": lambda self, n, pays: 0})()
     drafting, copying = _seq(), seq
     assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15]) == [0, 0]
     policy.rates = None  # the cost model alone copies it whole
@@ -94,8 +94,10 @@ def test_steps_with_copied_rows_are_measured_and_steps_with_prefill_are_not():
     chunks (its time mostly the prefill's) follows the verdict without one."""
     policy, seq = _copy_policy(0.95)
     asked = []
-    policy.rates = type("Spy", (), {"should_speculate": lambda self, n, pays: asked.append("probe") or pays,
-                                    "verdict": lambda self, n, pays: asked.append("verdict") or pays})()
+    def spy(kind):
+        return lambda self, n, pays: asked.append(kind) or (None if pays else 0)
+
+    policy.rates = type("Spy", (), {"choose": spy("probe"), "verdict": spy("verdict")})()
     policy.choose([_seq(), seq], [7, 0], copy_caps=[0, 15])
     policy.choose([_seq(), _seq()], [7, 7], prefill_tokens=64)
     assert asked == ["probe", "verdict"]
@@ -141,3 +143,12 @@ def test_cost_fits_are_not_tilted_by_a_few_slow_steps():
         policy.observe(8, 0.09, 0.030, [7])  # stalls
     assert policy.cost.d1 == pytest.approx(0.00055, abs=1.5e-4)
     assert policy.cost.d0 == pytest.approx(0.0069, abs=1e-3)
+
+
+def test_the_steps_room_cuts_the_longest_rows_first():
+    policy = SpeculationPolicy(max_draft_tokens=7, adaptive=False)
+    seqs = [_seq() for _ in range(3)]
+    assert policy.choose(seqs, [7, 3, 5], room=9) == [3, 3, 3]
+    assert policy.choose(seqs, [7, 3, 5], room=0) == [0, 0, 0]
+    assert policy.choose(seqs, [7, 3, 5], room=None) == [7, 3, 5]
+    assert policy.choose(seqs, [0, 0, 0], copy_caps=[15, 0, 2], forced=[True, False, False], room=10) == [8, 0, 2]

@@ -1,5 +1,6 @@
-"""The measured guard on speculation: whichever mode delivered more tokens per second at a
-batch size runs, the other is re-measured now and then; without a model."""
+"""The measured guard on speculation: whichever arm (plain, shallow or the model's drafts)
+delivered more tokens per second at a batch size runs, the others are re-measured now and
+then; without a model."""
 
 from __future__ import annotations
 
@@ -14,18 +15,21 @@ def test_buckets_are_powers_of_two():
     assert [batch_bucket(b) for b in (1, 2, 3, 4, 5, 16, 17)] == [1, 2, 4, 4, 8, 16, 32]
 
 
+TWO_ARMS = (0, None)  # plain decoding and the cost model's allocation
+
+
 def _drive(rates: StepRates, batch: int, spec_rate: float, plain_rate: float, steps: int) -> list[bool]:
-    """Run `steps` steps where speculation delivers spec_rate tokens/s and plain plain_rate."""
+    """Run `steps` steps where speculation (any depth) delivers spec_rate tokens/s and plain plain_rate."""
     modes = []
     for _ in range(steps):
-        mode = rates.should_speculate(batch, model_says=True)
-        rates.record(batch, mode, tokens=10, seconds=10 / (spec_rate if mode else plain_rate))
+        mode = rates.choose(batch, model_says=True) != 0
+        rates.record(batch, None if mode else 0, tokens=10, seconds=10 / (spec_rate if mode else plain_rate))
         modes.append(mode)
     return modes
 
 
 def test_a_slower_speculation_is_turned_off_but_still_probed():
-    rates = StepRates()
+    rates = StepRates(TWO_ARMS)
     modes = _drive(rates, 4, spec_rate=80.0, plain_rate=100.0, steps=200)
     assert modes[:3] == [True] * 3 and modes[3:6] == [False] * 3  # both measured first
     late = modes[50:]
@@ -34,26 +38,29 @@ def test_a_slower_speculation_is_turned_off_but_still_probed():
 
 
 def test_a_faster_speculation_stays_on_and_batch_sizes_are_separate():
-    rates = StepRates()
+    rates = StepRates(TWO_ARMS)
     spec_steps = sum(_drive(rates, 1, spec_rate=120.0, plain_rate=100.0, steps=200)[50:])
     assert spec_steps >= 150 - 150 / rates.EXPLORE_EVERY - 1
     assert sum(_drive(rates, 16, spec_rate=70.0, plain_rate=100.0, steps=200)[50:]) <= 150 / rates.EXPLORE_EVERY + 1
 
 
 def test_recovery_when_speculation_becomes_faster():
-    rates = StepRates()
+    rates = StepRates(TWO_ARMS)
     _drive(rates, 2, spec_rate=50.0, plain_rate=100.0, steps=100)
     modes = _drive(rates, 2, spec_rate=200.0, plain_rate=100.0, steps=100)
     assert sum(modes[-32:]) == 31  # all but one probe of plain decoding: at a 2x lead, one in 32 steps
 
 
 def test_the_wider_the_gap_the_rarer_the_probe():
-    rates = StepRates()
+    rates = StepRates(TWO_ARMS)
     assert rates.probe_interval(100.0, 100.0) == rates.EXPLORE_EVERY
     assert rates.probe_interval(200.0, 100.0) == rates.probe_interval(100.0, 200.0) == 4 * rates.EXPLORE_EVERY
     assert rates.probe_interval(1000.0, 1.0) == rates.MAX_EXPLORE_EVERY
     modes = _drive(rates, 1, spec_rate=200.0, plain_rate=100.0, steps=400)
     assert 300 / 32 - 1 <= 300 - sum(modes[100:]) <= 300 / 32 + 1  # the probes of plain decoding
+    # with more arms, each is probed as much rarer as there are others: all probes together
+    # cost about what one arm's did
+    assert StepRates((0, 1, 3, None)).probe_interval(100.0, 100.0) == 3 * rates.EXPLORE_EVERY
 
 
 def test_unlucky_speculative_steps_do_not_turn_a_faster_speculation_off():
@@ -61,14 +68,34 @@ def test_unlucky_speculative_steps_do_not_turn_a_faster_speculation_off():
     else 2-6: 45 tok/s on average against 29 for plain steps); the guard must judge the
     average, not the last unlucky step."""
     rng = random.Random(0)
-    rates = StepRates()
+    rates = StepRates(TWO_ARMS)
     modes = []
     for _ in range(400):
-        mode = rates.should_speculate(1, model_says=True)
+        mode = rates.choose(1, model_says=True) is None
         tokens = (1 if rng.random() < 0.55 else rng.randint(2, 6)) if mode else 1
-        rates.record(1, mode, tokens, 0.05 if mode else 0.035)
+        rates.record(1, None if mode else 0, tokens, 0.05 if mode else 0.035)
         modes.append(mode)
     assert sum(modes[100:]) >= 0.8 * 300
+
+
+def test_a_shallow_arm_wins_where_plain_beats_the_models_deep_drafts():
+    """At 16 requests in flight on 2 cores (the measurements in step_rates.py): the model's
+    deep drafts 480 tok/s, plain steps 630, one token a row 720, three 600. The guard settles
+    on one token a row, and still probes the others."""
+    rates = StepRates()
+    delivered = {0: 630.0, 1: 720.0, 3: 600.0, None: 480.0}
+    chosen = []
+    for _ in range(600):
+        arm = rates.choose(16, model_says=True)
+        rates.record(16, arm, tokens=20, seconds=20 / delivered[arm])
+        chosen.append(arm)
+    assert chosen[:12].count(None) == 3 and set(chosen[:12]) == {0, 1, 3, None}  # each measured first
+    late = chosen[100:]
+    assert late.count(1) >= 0.85 * len(late)
+    assert all(late.count(arm) > 0 for arm in (0, 3, None))  # probed
+    throughput = len(chosen[100:]) / sum(1 / delivered[arm] for arm in chosen[100:])
+    assert throughput >= 0.97 * delivered[1]  # the probes cost little
+    assert rates.verdict(16, model_says=True) == 1 and rates.verdict(4, model_says=True) is None
 
 
 def _seqs(n):
@@ -97,3 +124,19 @@ def test_policy_follows_the_measurements_not_the_cost_model():
 def test_non_adaptive_policy_always_drafts_the_cap():
     policy = SpeculationPolicy(max_draft_tokens=5, adaptive=False)
     assert policy.rates is None and policy.choose(_seqs(2), [7, 3]) == [5, 3]
+
+
+def test_a_capped_arm_bounds_every_rows_tokens_and_gives_each_at_least_one():
+    policy = SpeculationPolicy(max_draft_tokens=7)
+    seqs = _seqs(3)
+    for arm, says_pays, expected in ((1, True, [1, 1, 1]), (3, True, [3, 3, 2]), (3, False, [1, 1, 1]),
+                                     (0, True, [0, 0, 0])):
+        policy.cost = (CostModel(v0=0.04, v1=0.0001, d0=0.001, d1=0.0001) if says_pays
+                       else CostModel(v0=0.001, v1=0.05, d0=0.05, d1=0.05))  # drafting pays / does not
+        recorded = []
+        policy.rates = type("Fixed", (), {"choose": lambda self, n, pays, arm=arm: arm,
+                                          "record": lambda self, *measured, out=recorded: out.append(measured)})()
+        ks = policy.choose(seqs, [7, 7, 2])
+        assert ks == expected
+        policy.observe_step(3, ks, 5, 0.1)
+        assert recorded == [(3, arm, 5, 0.1)]  # credited to the arm that ran

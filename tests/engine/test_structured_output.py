@@ -100,8 +100,8 @@ def test_what_the_grammar_forces_is_verified_even_where_speculating_measured_slo
     not cost each of them a step of its own."""
     target, draft, tok = tiny
     engine = DLiteEngine(target, tok, InProcessDraftTransport(draft, "test"), lookup_tokens=15)  # adaptive
-    engine.policy.rates = type("NoSpeculation", (), {"should_speculate": lambda self, n, pays: False,
-                                                     "verdict": lambda self, n, pays: False,
+    engine.policy.rates = type("NoSpeculation", (), {"choose": lambda self, n, pays: 0,
+                                                     "verdict": lambda self, n, pays: 0,
                                                      "record": lambda self, *measured: None})()
     out = engine.generate(PROMPTS, max_new_tokens=40, json_schema=json.dumps(RECORD))
     assert [r.token_ids for r in out] == [r.token_ids for r in _engine(tiny).generate(
