@@ -14,7 +14,9 @@ others are re-measured now and then so that a change (a better draft, other prom
 noticed. A probe costs the gap between the arms, so the wider an arm's gap, the rarer its
 probe: EXPLORE_EVERY steps at a tie, EXPLORE_EVERY * lead**2 at a lead (32 at 2x, the usual
 lead of a trained draft at batch 1 on a CPU, where probing every 8 steps cost ~6% of the
-throughput), times the number of other arms, so that all probes together cost about what one
+throughput), times how much longer its step takes than the best arm's (at 32 in flight a step
+of the model's deep drafts took ~3x a plain one, and probing it every 64 steps cost ~2% on
+its own), times the number of other arms, so that all probes together cost about what one
 other arm's would; never rarer than MAX_EXPLORE_EVERY.
 """
 
@@ -55,6 +57,10 @@ class _Rate:
             return 0.0
         return (self.tokens / self.token_weight) / (self.seconds / self.second_weight)
 
+    @property
+    def step_seconds(self) -> float:
+        return self.seconds / self.second_weight if self.second_weight else 0.0
+
 
 def batch_bucket(batch: int) -> int:
     """1, 2, 4, 8, ...: the smallest power of two >= batch."""
@@ -66,7 +72,7 @@ class StepRates:
     # three probes notice that a slower arm became the faster one (within ~100 steps at
     # a 2x lead, ~25 at a tie). TOKEN_DECAY: tokens per step average over ~10 samples
     # (acceptance is noisy step to step).
-    MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 64, 0.5, 0.9
+    MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 256, 0.5, 0.9
     ARMS: tuple[Arm, ...] = (0, 1, 3, None)
 
     def __init__(self, arms: tuple[Arm, ...] = ARMS) -> None:
@@ -101,18 +107,23 @@ class StepRates:
         for arm in (*preferred, *self.arms):
             if arm in self.arms and self._get(b, arm).samples < self.MIN_SAMPLES:
                 return arm
-        best = self._best(b)
-        top = self._get(b, best).value
-        overdue = {arm: self._steps[b] - self._get(b, arm).last_step - self.probe_interval(top, self._get(b, arm).value)
-                   for arm in self.arms if arm != best}  # steps past its probe's due
+        best_arm = self._best(b)
+        best = self._get(b, best_arm)
+        overdue = {}  # per slower arm: steps past its probe's due
+        for arm in self.arms:
+            rate = self._get(b, arm)
+            if arm != best_arm:
+                longer = rate.step_seconds / max(best.step_seconds, 1e-9)
+                overdue[arm] = self._steps[b] - rate.last_step - self.probe_interval(best.value, rate.value, longer)
         arm = max(overdue, key=overdue.get)
-        return arm if overdue[arm] >= 0 else best
+        return arm if overdue[arm] >= 0 else best_arm
 
-    def probe_interval(self, best_rate: float, other_rate: float) -> int:
+    def probe_interval(self, best_rate: float, other_rate: float, longer: float = 1.0) -> int:
         """Steps between probes of a slower arm: EXPLORE_EVERY times the squared lead, times
-        the number of other arms."""
+        how much longer its step takes (`longer`, at least 1), times the number of other arms."""
         lead = max(best_rate, other_rate) / max(min(best_rate, other_rate), 1e-9)
-        return min(self.MAX_EXPLORE_EVERY, round(self.EXPLORE_EVERY * lead ** 2 * (len(self.arms) - 1)))
+        steps = self.EXPLORE_EVERY * lead ** 2 * max(1.0, longer) * (len(self.arms) - 1)
+        return min(self.MAX_EXPLORE_EVERY, round(steps))
 
     def _best(self, bucket: int) -> Arm:
         return max(self.arms, key=lambda arm: self._get(bucket, arm).value)

@@ -23,7 +23,8 @@ def _drive(rates: StepRates, batch: int, spec_rate: float, plain_rate: float, st
     modes = []
     for _ in range(steps):
         mode = rates.choose(batch, model_says=True) != 0
-        rates.record(batch, None if mode else 0, tokens=10, seconds=10 / (spec_rate if mode else plain_rate))
+        # steps of equal time (the probe interval grows with a probe's step time too)
+        rates.record(batch, None if mode else 0, tokens=(spec_rate if mode else plain_rate) / 10, seconds=0.1)
         modes.append(mode)
     return modes
 
@@ -61,6 +62,9 @@ def test_the_wider_the_gap_the_rarer_the_probe():
     # with more arms, each is probed as much rarer as there are others: all probes together
     # cost about what one arm's did
     assert StepRates((0, 1, 3, None)).probe_interval(100.0, 100.0) == 3 * rates.EXPLORE_EVERY
+    # and an arm whose steps take longer costs more a probe: probed as much rarer
+    assert rates.probe_interval(200.0, 100.0, longer=3.0) == 12 * rates.EXPLORE_EVERY
+    assert rates.probe_interval(200.0, 100.0, longer=0.5) == 4 * rates.EXPLORE_EVERY
 
 
 def test_unlucky_speculative_steps_do_not_turn_a_faster_speculation_off():
