@@ -275,8 +275,11 @@ def _mean(values: list) -> float | None:
 def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]], levels: list[int],
                         max_new_tokens: int, repeats: int = 1) -> dict:
     """N requests in flight through the continuous-batching engine: throughput (generated
-    tokens / wall time) and request latency (mean, p50, p99), each engine on the same
-    requests, engines alternating, medians over `repeats`."""
+    tokens / wall time), decode-phase throughput (the tokens after each request's first round
+    over the time from the first request's first token to the last one's last: the per-prompt
+    table's decode tokens/s, for a batch; prefill, which both engines pay alike, is out) and
+    request latency (mean, p50, p99), each engine on the same requests, engines alternating,
+    medians over `repeats`."""
     out: dict = {}
     for n in levels:
         batch = [items[i % len(items)] for i in range(n)]
@@ -292,15 +295,27 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
                 latencies = [r.stats.ttft + r.stats.decode_wall_time for r in results]
                 runs[name].append({
                     "tokens_per_second": sum(len(r.token_ids) for r in results) / wall,
+                    "decode_tokens_per_second": _decode_phase_rate(results),
                     "mean_latency_s": statistics.mean(latencies),
                     "latency_p50_s": percentile(latencies, 50), "latency_p99_s": percentile(latencies, 99),
                     "mean_accept_length": statistics.mean(r.stats.mean_accept_length for r in results)})
         out[str(n)] = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
         ratio = out[str(n)]["dlite"]["tokens_per_second"] / out[str(n)]["ar"]["tokens_per_second"]
         out[str(n)]["dlite/ar"] = ratio
+        out[str(n)]["dlite/ar decode"] = (out[str(n)]["dlite"]["decode_tokens_per_second"]
+                                          / out[str(n)]["ar"]["decode_tokens_per_second"])
         print(f"concurrency {n:>3}: dlite {out[str(n)]['dlite']['tokens_per_second']:.1f} tok/s, "
               f"ar {out[str(n)]['ar']['tokens_per_second']:.1f} tok/s, ratio {ratio:.2f}x")
     return out
+
+
+def _decode_phase_rate(results: list) -> float:
+    """A batch's tokens after each request's first round, over the time from the first
+    request's first token to the last request's last (all arrived together)."""
+    tokens = sum(len(r.token_ids) - (r.stats.accept_lengths[0] if r.stats.accept_lengths else 0) for r in results)
+    start = min(r.stats.ttft for r in results)
+    end = max(r.stats.ttft + r.stats.decode_wall_time for r in results)
+    return tokens / (end - start) if end > start else 0.0
 
 
 def _overall(workloads: dict) -> dict:

@@ -97,8 +97,8 @@ def _suite_results() -> dict:
     turns = [BenchRequest("a", "turn-1", [5]), BenchRequest("a#2", "turn-2", [5, 6, 7])]
     workloads = {"agentic": measure({"dlite": _Recording(True, 20.0), "ar": _Recording(True, 10.0)}, turns, args)}
     methods = _overall(workloads)
-    level = {"tokens_per_second": 30.0, "mean_latency_s": 1.0, "latency_p50_s": 0.9, "latency_p99_s": 1.5,
-             "mean_accept_length": 2.0}
+    level = {"tokens_per_second": 30.0, "decode_tokens_per_second": 40.0, "mean_latency_s": 1.0,
+             "latency_p50_s": 0.9, "latency_p99_s": 1.5, "mean_accept_length": 2.0}
     turn = {"ttft_s": 0.2, "cached_prompt_tokens": 3000, "prompt_tokens": 3100, "total_s": 1.0}
     evicted = {**turn, "ttft_s": 4.0, "cached_prompt_tokens": 0}
     return {
@@ -107,8 +107,8 @@ def _suite_results() -> dict:
         "workloads": workloads, "methods": methods, "ratios": _ratios(workloads),
         "paired_ratios": _paired_ratios(workloads), "paired_ratios_by_workload": _paired_ratios_by_workload(workloads),
         "skipped": {"agentic": [], "structured": ["hf"]},
-        "concurrency": {"1": {"dlite": level, "ar": level, "dlite/ar": 1.0},
-                        "4": {"dlite": level, "ar": level, "dlite/ar": 1.0}},
+        "concurrency": {"1": {"dlite": level, "ar": level, "dlite/ar": 1.0, "dlite/ar decode": 1.0},
+                        "4": {"dlite": level, "ar": level, "dlite/ar": 1.0, "dlite/ar decode": 1.0}},
         "followup": {"rows": [{"id": "h0", "held": turn, "evicted": evicted}],
                      "held_ttft_median_s": 0.2, "evicted_ttft_median_s": 4.0, "speedup": 20.0},
         "served": {"grpc_tps_median": 90.0, "library_tps_median": 100.0, "ratio": 0.9, "comm_ms_per_round": 0.4,
@@ -130,7 +130,8 @@ def test_the_report_has_every_section_the_suite_measured(tmp_path):
     for text in ("at commit abc1234", "llama.cpp was not measured", "| 4096 | 4.0 KiB | 0.5 MiB |",
                  "| agentic | 2.00x (2.00-2.00) |",
                  "| turn-2 | 3 | 1 | 20.0 (1.50) | 10.0 (1.50) |", "structured: hf", "## Requests in flight",
-                 "| 4 | 30.0 | 30.0 | 1.00x | 0.90 / 1.50 |", "held 0.20 s, evicted 4.00 s (20.0x)",
+                 "| 4 | 30.0 | 30.0 | 1.00x | 40.0 / 40.0 | 1.00x | 0.90 / 1.50 |",
+                 "held 0.20 s, evicted 4.00 s (20.0x)", "4: 1.00x (1.00x)",
                  "90.0 vs the library engine in-process 100.0: 90%", "| 8.0 MiB | 4.0 MiB |",
                  "dlite 900 MiB", "latency p50 / p99 s"):
         assert text in report, text
