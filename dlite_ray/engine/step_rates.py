@@ -98,15 +98,19 @@ class StepRates:
         return self._best(b)
 
     def choose(self, batch: int, model_says: bool) -> Arm:
-        """The arm this step runs: unmeasured arms first (the model's choice, then the other of
-        plain and the model's, then the capped ones), then the fastest, but an arm whose
-        probe is due, the longest overdue, once every probe interval."""
+        """The arm this step runs: while some arm has fewer than MIN_SAMPLES samples, the one
+        with fewest (the model's choice first, then the other of plain and the model's, then
+        the capped ones), so that each arm's first samples spread over the same stretch of time
+        (on a shared machine a slow second can fall on three steps in a row, and an arm
+        measured only then looks slower than it is until its next probe); then the fastest,
+        but an arm whose probe is due, the longest overdue, once every probe interval."""
         b = batch_bucket(batch)
         self._steps[b] += 1
         preferred = (None, 0) if model_says else (0, None)
-        for arm in (*preferred, *self.arms):
-            if arm in self.arms and self._get(b, arm).samples < self.MIN_SAMPLES:
-                return arm
+        order = [arm for arm in dict.fromkeys((*preferred, *self.arms)) if arm in self.arms]
+        unmeasured = [arm for arm in order if self._get(b, arm).samples < self.MIN_SAMPLES]
+        if unmeasured:
+            return min(unmeasured, key=lambda arm: self._get(b, arm).samples)
         best_arm = self._best(b)
         best = self._get(b, best_arm)
         overdue = {}  # per slower arm: steps past its probe's due
