@@ -61,7 +61,7 @@ def test_the_wider_the_gap_the_rarer_the_probe():
     assert 300 / 32 - 1 <= 300 - sum(modes[100:]) <= 300 / 32 + 1  # the probes of plain decoding
     # with more arms, each is probed as much rarer as there are others: all probes together
     # cost about what one arm's did
-    assert StepRates((0, 1, 3, None)).probe_interval(100.0, 100.0) == 3 * rates.EXPLORE_EVERY
+    assert rates.probe_interval(100.0, 100.0, others=3) == 3 * rates.EXPLORE_EVERY
     # and an arm whose steps take longer costs more a probe: probed as much rarer
     assert rates.probe_interval(200.0, 100.0, longer=3.0) == 12 * rates.EXPLORE_EVERY
     assert rates.probe_interval(200.0, 100.0, longer=0.5) == 4 * rates.EXPLORE_EVERY
@@ -100,6 +100,17 @@ def test_a_shallow_arm_wins_where_plain_beats_the_models_deep_drafts():
     throughput = len(chosen[100:]) / sum(1 / delivered[arm] for arm in chosen[100:])
     assert throughput >= 0.97 * delivered[1]  # the probes cost little
     assert rates.verdict(16, model_says=True) == 1 and rates.verdict(4, model_says=True) is None
+
+
+def test_one_or_two_requests_choose_between_plain_and_the_models_allocation_only():
+    """At batch 1-2 a verify row costs little and capped arms would cut copies short."""
+    rates = StepRates()
+    chosen = []
+    for _ in range(200):
+        arm = rates.choose(2, model_says=True)
+        rates.record(2, arm, tokens=4 if arm is None else 2, seconds=0.02)
+        chosen.append(arm)
+    assert set(chosen) == {0, None} and chosen[50:].count(None) >= 0.9 * 150
 
 
 def _seqs(n):
