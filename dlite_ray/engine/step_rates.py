@@ -14,10 +14,11 @@ others are re-measured now and then so that a change (a better draft, other prom
 noticed. A probe costs the gap between the arms, so the wider an arm's gap, the rarer its
 probe: EXPLORE_EVERY steps at a tie, EXPLORE_EVERY * lead**2 at a lead (32 at 2x, the usual
 lead of a trained draft at batch 1 on a CPU, where probing every 8 steps cost ~6% of the
-throughput), times how much longer its step takes than the best arm's (at 32 in flight a step
-of the model's deep drafts took ~3x a plain one, and probing it every 64 steps cost ~2% on
-its own), times the number of other arms, so that all probes together cost about what one
-other arm's would; never rarer than MAX_EXPLORE_EVERY.
+throughput), times the number of other arms, so that all probes together cost about what one
+other arm's would; never rarer than MAX_EXPLORE_EVERY. (Probing an arm the rarer the longer
+its step takes, at most every 256 steps, let a guard that had once measured speculation
+slower stay on plain decoding for hundreds of steps: a `make bench` run's structured replies
+fell from tau 3.4 to 1.3, and were back at 3.3 without it.)
 """
 
 from __future__ import annotations
@@ -57,10 +58,6 @@ class _Rate:
             return 0.0
         return (self.tokens / self.token_weight) / (self.seconds / self.second_weight)
 
-    @property
-    def step_seconds(self) -> float:
-        return self.seconds / self.second_weight if self.second_weight else 0.0
-
 
 def batch_bucket(batch: int) -> int:
     """1, 2, 4, 8, ...: the smallest power of two >= batch."""
@@ -72,7 +69,7 @@ class StepRates:
     # three probes notice that a slower arm became the faster one (within ~100 steps at
     # a 2x lead, ~25 at a tie). TOKEN_DECAY: tokens per step average over ~10 samples
     # (acceptance is noisy step to step).
-    MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 256, 0.5, 0.9
+    MIN_SAMPLES, EXPLORE_EVERY, MAX_EXPLORE_EVERY, SECOND_DECAY, TOKEN_DECAY = 3, 8, 64, 0.5, 0.9
     ARMS: tuple[Arm, ...] = (0, 1, 3, None)
     # Below this bucket only plain and the cost model's allocation: a verify row there costs
     # little next to the weights' read, and the capped arms cut copies from the context short.
@@ -123,17 +120,16 @@ class StepRates:
         for arm in arms:
             rate = self._get(b, arm)
             if arm != best_arm:
-                longer = rate.step_seconds / max(best.step_seconds, 1e-9)
-                interval = self.probe_interval(best.value, rate.value, longer, len(arms) - 1)
+                interval = self.probe_interval(best.value, rate.value, len(arms) - 1)
                 overdue[arm] = self._steps[b] - rate.last_step - interval
         arm = max(overdue, key=overdue.get)
         return arm if overdue[arm] >= 0 else best_arm
 
-    def probe_interval(self, best_rate: float, other_rate: float, longer: float = 1.0, others: int = 1) -> int:
+    def probe_interval(self, best_rate: float, other_rate: float, others: int = 1) -> int:
         """Steps between probes of a slower arm: EXPLORE_EVERY times the squared lead, times
-        how much longer its step takes (`longer`, at least 1), times the number of other arms."""
+        the number of other arms."""
         lead = max(best_rate, other_rate) / max(min(best_rate, other_rate), 1e-9)
-        steps = self.EXPLORE_EVERY * lead ** 2 * max(1.0, longer) * others
+        steps = self.EXPLORE_EVERY * lead ** 2 * others
         return min(self.MAX_EXPLORE_EVERY, round(steps))
 
     def _arms(self, bucket: int) -> tuple[Arm, ...]:
