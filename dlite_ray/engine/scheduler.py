@@ -12,8 +12,8 @@ room for its anchor plus up to `lookahead - 1` drafted tokens. Its KV is reserve
 them, but the step's token budget counts its anchor only: the prefill chunks come first, and
 the rows verify what the budget has left (`Schedule.spare_tokens`). Budgeting each row's
 whole lookahead starved prefill in a batch where few rows speculate: 32 decoding rows held
-512 of 1,024 tokens, and the last of 32 requests started 0.8 s later than without a draft. The model runner only
-reads each row's block table and applies the schedule's block copies.
+512 of 1,024 tokens, and the last of 32 requests started 0.8 s later than without a draft.
+The model runner only reads each row's block table and applies the schedule's block copies.
 """
 
 from __future__ import annotations

@@ -136,7 +136,9 @@ class SpecDecoder:
             return 0
         # branch nodes are stored after the main proposal: within the model's context too
         room = self.runner.max_context - seq.num_computed - 1 - tree.main
-        budget = min(self.policy.branch_budget(self.tree_tokens), room, *([] if step_room is None else [step_room]))
+        budget = min(self.policy.branch_budget(self.tree_tokens), room)
+        if step_room is not None:
+            budget = min(budget, step_room)
         if budget <= 0:
             return 0
         main = tree.tokens[1:tree.main + 1]

@@ -47,7 +47,7 @@
 #define DLITE_DECODE_FLOAT 1  // float32 caches: AVX-512 F
 #if defined(__AVX512BF16__)
 #define DLITE_DECODE_BF16 1  // bf16 caches: the bf16 dot-product instruction
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(DLITE_AMX_BUILD)
 #define DLITE_DECODE_AMX 1  // bf16 caches on the tile unit, where the process may use it (amx_enabled)
 #endif
 #endif
@@ -396,11 +396,7 @@ constexpr int64_t kTileK = 32;   // bf16 values of k a tile product takes: 16 pa
 
 // Every tile 16 rows of 64 bytes (16 float32 or 16 bf16 pairs): one configuration per thread.
 void configure_attention_tiles() {
-  struct alignas(64) {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  } cfg;
+  dlite::TileConfig cfg;
   for (int t = 0; t < 8; ++t) cfg.rows[t] = kTileRows, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
@@ -507,29 +503,9 @@ void attend_tile_amx(const Row<uint16_t, D>* rows, int R, const Bf16Cache::Value
       _mm256_store_si256(reinterpret_cast<__m256i*>(scratch.probs + r * kChunk + b * kBlock),
                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(rows[r].scores + b * kBlock)));
   constexpr int64_t kPairRow = D * 2 * sizeof(uint16_t);  // bytes from one key pair to the next
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t step = 0; step < steps; ++step) {
-      _tile_loadd(4, scratch.probs + step * kTileK, kChunk * sizeof(uint16_t));
-      const uint16_t* v = values.pairs.data() + (step * 16 * D + d0) * 2;
-      _tile_loadd(5, v, kPairRow);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, v + 32, kPairRow);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(5, v + 64, kPairRow);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(6, v + 96, kPairRow);
-      _tile_dpbf16ps(3, 4, 6);
-    }
-    constexpr int64_t kSumRow = D * sizeof(float);
-    _tile_stored(0, scratch.sums + d0, kSumRow);
-    _tile_stored(1, scratch.sums + d0 + 16, kSumRow);
-    _tile_stored(2, scratch.sums + d0 + 32, kSumRow);
-    _tile_stored(3, scratch.sums + d0 + 48, kSumRow);
-  }
+  for (int64_t d0 = 0; d0 < D; d0 += 64)  // a step: 32 keys, 16 pairs of values D * 2 elements apart
+    dlite::amx_sum_64_columns(scratch.probs, kChunk * sizeof(uint16_t), kTileK, values.pairs.data() + d0 * 2,
+                              kPairRow, 16 * D * 2, steps, scratch.sums + d0, D * sizeof(float));
   for (int r = 0; r < R; ++r) std::memcpy(rows[r].out->values, scratch.sums + r * D, D * sizeof(float));
 }
 
@@ -708,6 +684,21 @@ SpanKeys span_keys(int64_t start, int64_t len, int64_t first, const torch::Tenso
   return {start, len, first, slot};
 }
 
+// (start, len, first, slots) spans, checked: they tile q's rows in order, each with its slots.
+std::vector<SpanKeys> tiled_spans(const char* kernel, const torch::Tensor& q, const torch::Tensor& k_cache,
+                                  const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans) {
+  TORCH_CHECK(!spans.empty(), kernel, ": no spans");
+  std::vector<SpanKeys> keys;
+  int64_t next = 0;
+  for (const auto& [start, len, first, slots] : spans) {
+    TORCH_CHECK(start == next, kernel, ": the spans must tile q's rows in order");
+    keys.push_back(span_keys(start, len, first, slots, k_cache.size(1)));
+    next = start + len;
+  }
+  TORCH_CHECK(next == q.size(0), kernel, ": the spans must tile q's rows in order");
+  return keys;
+}
+
 torch::Tensor attend_spans(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                            const std::vector<SpanKeys>& spans, int64_t shared) {
 #ifdef DLITE_DECODE_AMX
@@ -745,18 +736,12 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans,
                              int64_t shared) {
   check_tensors(q, k_cache, v_cache);
-  TORCH_CHECK(!spans.empty(), "tree_attention: no spans");
-  std::vector<SpanKeys> keys;
-  int64_t next = 0;
-  for (const auto& [start, len, first, slots] : spans) {
-    TORCH_CHECK(start == next, "tree_attention: the spans must tile q's rows in order");
-    TORCH_CHECK(0 <= shared && shared <= first, "tree_attention: a span starts inside the shared context");
-    keys.push_back(span_keys(start, len, first, slots, k_cache.size(1)));
-    next = start + len;
-    TORCH_CHECK(std::equal(keys.back().slot, keys.back().slot + shared, keys.front().slot),
+  const std::vector<SpanKeys> keys = tiled_spans("tree_attention", q, k_cache, spans);
+  for (const SpanKeys& span : keys) {
+    TORCH_CHECK(0 <= shared && shared <= span.first, "tree_attention: a span starts inside the shared context");
+    TORCH_CHECK(std::equal(span.slot, span.slot + shared, keys.front().slot),
                 "tree_attention: the spans' slots differ inside the shared context");
   }
-  TORCH_CHECK(next == q.size(0), "tree_attention: the spans must tile q's rows in order");
   return attend_spans(q, k_cache, v_cache, keys, shared);
 }
 
@@ -768,16 +753,7 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k_cach
 torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const std::vector<std::tuple<int64_t, int64_t, int64_t, torch::Tensor>>& spans) {
   check_tensors(q, k_cache, v_cache);
-  TORCH_CHECK(!spans.empty(), "batch_attention: no spans");
-  std::vector<SpanKeys> keys;
-  int64_t next = 0;
-  for (const auto& [start, len, first, slots] : spans) {
-    TORCH_CHECK(start == next, "batch_attention: the spans must tile q's rows in order");
-    keys.push_back(span_keys(start, len, first, slots, k_cache.size(1)));
-    next = start + len;
-  }
-  TORCH_CHECK(next == q.size(0), "batch_attention: the spans must tile q's rows in order");
-  return attend_spans(q, k_cache, v_cache, keys, 0);
+  return attend_spans(q, k_cache, v_cache, tiled_spans("batch_attention", q, k_cache, spans), 0);
 }
 
 }  // namespace dlite

@@ -11,6 +11,11 @@
 #include <utility>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#define DLITE_AMX_BUILD 1  // the tile unit's instructions are in this build (amx_enabled: whether they run)
+#endif
+
 namespace dlite {
 
 // The dtypes the AVX-512 kernels (decode attention, linears) compute in this build: float32
@@ -69,6 +74,46 @@ torch::Tensor batch_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 // tile state by Linux, and not refused by DLITE_AMX=0. Fixed for the process's life, since
 // the unit's bits differ from the dot-product instruction's in the last place.
 bool amx_enabled();
+
+#ifdef DLITE_AMX_BUILD
+// A tile configuration (palette 1): tile t has rows[t] rows of colsb[t] bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The sweep both bf16 kernels run on the tile unit (row_linear's panel, attention's P.V):
+// out [configured rows][64 floats, out_stride bytes apart] = the sum over `steps` of tile 4
+// (A: the rows' 32 bf16 at a + step * a_step, a_stride bytes apart) times four B tiles
+// (16 bf16 pairs by 16 columns at b + step * b_step + 32 g for group g, b_stride bytes
+// apart). Tiles 0-3 hold the sums, 4 the A operand, 5 and 6 the B operands, in turn.
+template <typename T>
+inline void amx_sum_64_columns(const T* a, int64_t a_stride, int64_t a_step, const T* b, int64_t b_stride,
+                               int64_t b_step, int64_t steps, float* out, int64_t out_stride) {
+  static_assert(sizeof(T) == 2, "bf16 elements");
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t step = 0; step < steps; ++step) {
+    const T* bs = b + step * b_step;
+    _tile_loadd(4, a + step * a_step, a_stride);
+    _tile_loadd(5, bs, b_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, bs + 32, b_stride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, bs + 64, b_stride);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, bs + 96, b_stride);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  _tile_stored(0, out, out_stride);
+  _tile_stored(1, out + 16, out_stride);
+  _tile_stored(2, out + 32, out_stride);
+  _tile_stored(3, out + 48, out_stride);
+}
+#endif
 torch::Tensor row_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
                          int64_t n);
 

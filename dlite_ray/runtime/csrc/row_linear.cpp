@@ -107,16 +107,10 @@ void panel(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) 
 constexpr int kAmxRows = 16;   // rows of a tile
 constexpr int64_t kAmxK = 32;  // bf16 values of K per tile step: 16 pairs
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: the sums of `rows` rows with the panel's four groups of 16 columns (float32);
 // tile 4: the rows' next 16 pairs of x; tiles 5 and 6: the panel's next 16 pairs of one group.
 void configure_tiles(int rows) {
-  TileConfig cfg;
+  dlite::TileConfig cfg;
   for (int t = 0; t < 5; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
   for (int t = 5; t < 7; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
@@ -125,27 +119,8 @@ void configure_tiles(int rows) {
 // The configured rows' sums with one bf16 panel [K / 2][64][2], into `out` [rows][64].
 void panel_amx(const at::BFloat16* x, int64_t k, const at::BFloat16* w, float* out) {
   constexpr int64_t kPairRow = 2 * kPanel * sizeof(at::BFloat16);  // bytes from one pair of the panel to the next
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-  for (int64_t step = 0; step < k / kAmxK; ++step) {
-    const at::BFloat16* ws = w + step * kAmxK * kPanel;
-    _tile_loadd(4, x + step * kAmxK, k * sizeof(at::BFloat16));
-    _tile_loadd(5, ws, kPairRow);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, ws + 32, kPairRow);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(5, ws + 64, kPairRow);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_loadd(6, ws + 96, kPairRow);
-    _tile_dpbf16ps(3, 4, 6);
-  }
-  constexpr int64_t kOutRow = kPanel * sizeof(float);
-  _tile_stored(0, out, kOutRow);
-  _tile_stored(1, out + 16, kOutRow);
-  _tile_stored(2, out + 32, kOutRow);
-  _tile_stored(3, out + 48, kOutRow);
+  dlite::amx_sum_64_columns(x, k * sizeof(at::BFloat16), kAmxK, w, kPairRow, kAmxK * kPanel, k / kAmxK, out,
+                            kPanel * sizeof(float));
 }
 
 void linear_amx(const at::BFloat16* x, int64_t m, int64_t k, const at::BFloat16* packed, const at::BFloat16* bias,
