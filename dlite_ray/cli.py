@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--repeats", type=int, default=2)
     bench.add_argument("--concurrency", default=None,
                        help="also measure N requests in flight, e.g. 1,4,16 (dlite vs ar, continuous batching)")
+    bench.add_argument("--turns-in-flight", type=int, default=None,
+                       help="also measure N of the agentic workload's turns in flight, their histories in the "
+                            "prefix cache (dlite vs ar)")
     bench.add_argument("--out", default="runs/bench")
 
     suite = sub.add_parser("bench-suite", help="every published figure in one run (make bench): docs/bench")

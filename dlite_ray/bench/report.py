@@ -37,6 +37,7 @@ def _markdown(results: dict, plots: list[str]) -> str:
     lines += _acceptance(results)
     lines += _skipped(results)
     lines += _concurrency(results.get("concurrency"), results.get("concurrency_max_prompt"))
+    lines += _turns_in_flight(results.get("turns_in_flight"))
     lines += _followup(results.get("followup"))
     lines += _served(results.get("served"))
     lines += _memory(results.get("memory"))
@@ -59,6 +60,10 @@ def readme_summary(results: dict) -> str:
     if sweep:
         lines.append("- requests in flight, dlite/ar generated tokens/s end to end (decode phase): "
                      + ", ".join(f"{n}: {level['dlite/ar']:.2f}x{_decode_ratio(level)}" for n, level in sweep.items()))
+    for n, level in (results.get("turns_in_flight") or {}).items():
+        lines.append(f"- agent turns {n} in flight, their histories cached, dlite/ar in the decode phase: "
+                     f"{level['dlite/ar decode']:.2f}x (tau {level['dlite']['mean_accept_length']:.2f}; "
+                     f"end to end {level['dlite/ar']:.2f}x)")
     if followup:
         lines.append(f"- an agent's follow-up turn through gRPC, time to first token: "
                      f"{followup['held_ttft_median_s']:.2f} s with its KV held, "
@@ -75,6 +80,10 @@ def readme_summary(results: dict) -> str:
                      f"state, its context-lookup index above all, and the target's KV: "
                      f"{last['target_kv_bytes'] / MIB:.1f} MiB")
     mismatches = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
+    batched = sum(level.get("greedy_mismatches", 0) for key in ("concurrency", "turns_in_flight")
+                  for level in (results.get(key) or {}).values())
+    if batched:
+        mismatches["dlite in flight"] = batched
     lines.append("- greedy replies different from plain decoding: "
                  + (", ".join(f"{n} {k}" for n, k in mismatches.items()) if mismatches else "none"))
     return "\n".join(lines) + "\n"
@@ -254,14 +263,33 @@ def _concurrency(sweep: dict | None, max_prompt: int | None) -> list[str]:
               "from the first request's first token to the last request's last (prefill, which both pay alike, "
               "left out, as in the per-prompt decode tokens/s); request latency:"), "",
              "| in flight | dlite tokens/s | ar tokens/s | dlite/ar | decode phase dlite / ar | dlite/ar decode | "
-             "dlite latency p50 / p99 s | ar latency p50 / p99 s | dlite tau |", "|---" * 9 + "|"]
+             "dlite latency p50 / p99 s | ar latency p50 / p99 s | dlite tau | replies different |",
+             "|---" * 10 + "|"]
     for n, level in sweep.items():
         d, a = level["dlite"], level["ar"]
         decode = (f"{d['decode_tokens_per_second']:.1f} / {a['decode_tokens_per_second']:.1f} | "
                   f"{level['dlite/ar decode']:.2f}x" if "dlite/ar decode" in level else "- | -")
         lines.append(f"| {n} | {d['tokens_per_second']:.1f} | {a['tokens_per_second']:.1f} | "
                      f"{level['dlite/ar']:.2f}x | {decode} | {d['latency_p50_s']:.2f} / {d['latency_p99_s']:.2f} | "
-                     f"{a['latency_p50_s']:.2f} / {a['latency_p99_s']:.2f} | {d['mean_accept_length']:.2f} |")
+                     f"{a['latency_p50_s']:.2f} / {a['latency_p99_s']:.2f} | {d['mean_accept_length']:.2f} | "
+                     f"{level.get('greedy_mismatches', '-')} |")
+    return lines + [""]
+
+
+def _turns_in_flight(turns: dict | None) -> list[str]:
+    if not turns:
+        return []
+    lines = ["## Agent turns in flight", "",
+             ("The agentic workload's turns, N at a time, each engine holding their histories in its prefix "
+              "cache (as an agent's next turn finds its earlier ones); decode phase as above:"), "",
+             "| in flight | prompt tokens | decode phase dlite / ar | dlite/ar decode | dlite/ar end to end | "
+             "dlite tau | replies different |", "|---" * 7 + "|"]
+    for n, level in turns.items():
+        d, a = level["dlite"], level["ar"]
+        lines.append(f"| {n} | {', '.join(f'{t:,}' for t in level['prompt_tokens'])} | "
+                     f"{d['decode_tokens_per_second']:.1f} / {a['decode_tokens_per_second']:.1f} | "
+                     f"{level['dlite/ar decode']:.2f}x | {level['dlite/ar']:.2f}x | "
+                     f"{d['mean_accept_length']:.2f} | {level['greedy_mismatches']} |")
     return lines + [""]
 
 

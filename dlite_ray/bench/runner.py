@@ -92,7 +92,25 @@ def measure_all(args) -> dict:
                    for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
         results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
         results["concurrency_max_prompt"] = CONCURRENCY_MAX_PROMPT
+    if getattr(args, "turns_in_flight", None):
+        results["turns_in_flight"] = measure_turns_in_flight(dlite, prompts, args.turns_in_flight,
+                                                             args.max_new_tokens, args.repeats)
     return results
+
+
+def measure_turns_in_flight(dlite: DLiteEngine, prompts: dict[str, list[BenchRequest]], n: int,
+                            max_new_tokens: int, repeats: int) -> dict:
+    """The agentic workload's turns, n at a time, each engine with its prefix cache and the
+    turns' histories already in it, as an agent's next turn finds its earlier ones: what DLite
+    is for, batched (the concurrency sweep sends short requests, fresh)."""
+    turns = [r.ids for r in prompts.get("agentic", [])]
+    if not turns:
+        raise SystemExit("--turns-in-flight needs the agentic workload")
+    engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=lookup)
+               for name, draft, lookup in (("dlite", dlite.draft, dlite.lookup_tokens), ("ar", None, 0))}
+    out = measure_concurrency(engines, turns, [n], max_new_tokens, repeats, warm_prompts=True)[str(n)]
+    out["prompt_tokens"] = sorted(len(ids) for ids in turns[:n])
+    return {str(n): out}
 
 
 def _workload_limit(spec: str, default: int) -> tuple[str, int]:
@@ -273,25 +291,29 @@ def _mean(values: list) -> float | None:
 
 
 def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]], levels: list[int],
-                        max_new_tokens: int, repeats: int = 1) -> dict:
+                        max_new_tokens: int, repeats: int = 1, warm_prompts: bool = False) -> dict:
     """N requests in flight through the continuous-batching engine: throughput (generated
     tokens / wall time), decode-phase throughput (the tokens after each request's first round
     over the time from the first request's first token to the last one's last: the per-prompt
     table's decode tokens/s, for a batch; prefill, which both engines pay alike, is out) and
     request latency (mean, p50, p99), each engine on the same requests, engines alternating,
-    medians over `repeats`."""
+    medians over `repeats`; and how many of the last repeat's replies differ between the
+    engines (greedy: none may). `warm_prompts`: each engine first runs the batch for one token,
+    so that engines with a prefix cache find the prompts in it."""
     out: dict = {}
     for n in levels:
         batch = [items[i % len(items)] for i in range(n)]
         runs: dict[str, list[dict]] = {name: [] for name in engines}
         for engine in engines.values():
-            engine.generate(batch[:1], max_new_tokens=4)  # warm-up
+            engine.generate(batch if warm_prompts else batch[:1], max_new_tokens=1 if warm_prompts else 4)
+        replies: dict[str, list[list[int]]] = {}
         for rep in range(repeats):
             order = list(engines.items()) if rep % 2 == 0 else list(reversed(engines.items()))
             for name, engine in order:
                 start = time.perf_counter()
                 results = engine.generate(batch, max_new_tokens=max_new_tokens)
                 wall = time.perf_counter() - start
+                replies[name] = [r.token_ids for r in results]
                 latencies = [r.stats.ttft + r.stats.decode_wall_time for r in results]
                 runs[name].append({
                     "tokens_per_second": sum(len(r.token_ids) for r in results) / wall,
@@ -304,6 +326,7 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
         out[str(n)]["dlite/ar"] = ratio
         out[str(n)]["dlite/ar decode"] = (out[str(n)]["dlite"]["decode_tokens_per_second"]
                                           / out[str(n)]["ar"]["decode_tokens_per_second"])
+        out[str(n)]["greedy_mismatches"] = sum(d != a for d, a in zip(replies["dlite"], replies["ar"]))
         print(f"concurrency {n:>3}: dlite {out[str(n)]['dlite']['tokens_per_second']:.1f} tok/s, "
               f"ar {out[str(n)]['ar']['tokens_per_second']:.1f} tok/s, ratio {ratio:.2f}x")
     return out

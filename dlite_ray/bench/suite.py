@@ -2,7 +2,8 @@
 
 Sections, run one after another on this machine (each writes into one results.json):
 1. speed: every workload x dlite, ar and transformers' methods (llama.cpp where its extra
-   is installed), interleaved repeats (`runner.measure_all`), with a concurrency sweep;
+   is installed), interleaved repeats (`runner.measure_all`), with a concurrency sweep and
+   agent turns decoded 4 at a time;
 2. follow-up turns through gRPC, the conversation held vs evicted (`followup_bench`);
 3. served (Ray Serve, gRPC, the draft in its own process) vs library tokens/s (`serve_bench`);
 4. memory: a request's draft state and target KV at 1K / 4K / 8K, peak RSS per method (`memory`).
@@ -39,6 +40,7 @@ class Plan:
     max_new_tokens: int
     repeats: int
     concurrency: str
+    turns_in_flight: int  # agent turns decoded together, their histories cached (runner.measure_turns_in_flight)
     followup_items: int
     serve_workloads: str
     serve_limit: int
@@ -48,11 +50,12 @@ class Plan:
 
 
 FULL = Plan(workloads="chat,code,tool-use,agentic:2,long-context:2,structured:4,forced-tools:4", limit=3,
-            max_new_tokens=96, repeats=3, concurrency="1,4,16,32", followup_items=2,
+            max_new_tokens=96, repeats=3, concurrency="1,4,16,32", turns_in_flight=4, followup_items=2,
             serve_workloads="chat,code", serve_limit=2, serve_repeats=2, memory_contexts=CONTEXTS,
             rss_methods=("dlite", "ar", *HF_METHODS))
 QUICK = Plan(workloads="chat:1,agentic:1,structured:1", limit=1, max_new_tokens=24, repeats=1,
-             concurrency="1,4", followup_items=1, serve_workloads="chat", serve_limit=1, serve_repeats=1,
+             concurrency="1,4", turns_in_flight=2, followup_items=1, serve_workloads="chat", serve_limit=1,
+             serve_repeats=1,
              memory_contexts=(1024,), rss_methods=("dlite",))
 
 
@@ -82,7 +85,8 @@ def run(args) -> dict:
     speed_args = SimpleNamespace(workload=plan.workloads, methods=",".join(methods), target=None,
                                  draft="default", draft_b="default", dtype=dtype, limit=plan.limit,
                                  max_new_tokens=plan.max_new_tokens, repeats=plan.repeats,
-                                 concurrency=plan.concurrency, out=args.out)
+                                 concurrency=plan.concurrency, turns_in_flight=plan.turns_in_flight,
+                                 out=args.out)
     section("speed", lambda: measure_all(speed_args))
     section("followup", lambda: followup_bench.run(SimpleNamespace(
         limit=plan.followup_items, max_tokens=16, kv_tokens=12288, dtype=dtype)))

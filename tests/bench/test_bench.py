@@ -17,6 +17,8 @@ from dlite_ray.bench.runner import (
     _target_gguf,
     build_methods,
     measure,
+    measure_concurrency,
+    measure_turns_in_flight,
     summarize,
 )
 from dlite_ray.bench.workloads import load_workload
@@ -121,6 +123,35 @@ def test_dlite_b_drafts_with_the_other_checkpoint_on_the_same_target(tmp_path):
     assert b.target is target and b.draft.info.fingerprint == checkpoint_fingerprint(tmp_path / "b")
     assert b.generate([5, 6, 7], max_new_tokens=6)[0].token_ids == make_engine(target).generate(
         [5, 6, 7], max_new_tokens=6)[0].token_ids  # another draft, the same greedy output
+
+
+def test_agent_turns_in_flight_find_their_histories_cached_and_reply_as_plain_decoding(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    target = load_target(d)
+    dlite = make_engine(target, random_draft(target, read_config(d)), lookup_tokens=15)
+    turns = [BenchRequest(f"a#{i}", f"turn-{i}", [5 + i] * 40 + list(range(30, 60))) for i in range(3)]
+    out = measure_turns_in_flight(dlite, {"chat": [], "agentic": turns}, 2, max_new_tokens=6, repeats=2)["2"]
+    assert out["prompt_tokens"] == [70, 70] and out["greedy_mismatches"] == 0
+    assert out["dlite"]["mean_accept_length"] > 1.0 and out["ar"]["mean_accept_length"] == 1.0
+    with pytest.raises(SystemExit, match="agentic"):
+        measure_turns_in_flight(dlite, {"chat": turns}, 2, max_new_tokens=6, repeats=1)
+
+
+def test_requests_in_flight_count_replies_that_differ_between_the_engines(tmp_path):
+    d = make_tiny_checkpoint(tmp_path / "t", "llama")
+    target = load_target(d)
+    plain, other = make_engine(target), make_engine(target)
+    other.generate = lambda batch, max_new_tokens: [_planted(r) for r in plain.generate(batch, max_new_tokens)]
+    out = measure_concurrency({"dlite": other, "ar": plain}, [[5, 6, 7], [8, 9]], [2], max_new_tokens=4)
+    assert out["2"]["greedy_mismatches"] == 2
+    assert measure_concurrency({"dlite": plain, "ar": make_engine(target)}, [[5, 6, 7]], [2],
+                               max_new_tokens=4)["2"]["greedy_mismatches"] == 0
+
+
+def _planted(result):
+    """A reply changed after the fact: what a broken engine would have said."""
+    result.token_ids = [t + 1 for t in result.token_ids]
+    return result
 
 
 def test_copied_rounds_are_summarised_apart_from_drafted_ones():

@@ -9,7 +9,7 @@ import pytest
 
 from dlite_ray.bench.memory import kv_draft_bytes, request_state
 from dlite_ray.bench.methods import Run
-from dlite_ray.bench.report import write_report
+from dlite_ray.bench.report import readme_summary, write_report
 from dlite_ray.bench.runner import (
     BenchRequest,
     _overall,
@@ -108,7 +108,11 @@ def _suite_results() -> dict:
         "paired_ratios": _paired_ratios(workloads), "paired_ratios_by_workload": _paired_ratios_by_workload(workloads),
         "skipped": {"agentic": [], "structured": ["hf"]},
         "concurrency": {"1": {"dlite": level, "ar": level, "dlite/ar": 1.0, "dlite/ar decode": 1.0},
-                        "4": {"dlite": level, "ar": level, "dlite/ar": 1.0, "dlite/ar decode": 1.0}},
+                        "4": {"dlite": level, "ar": level, "dlite/ar": 1.0, "dlite/ar decode": 1.0,
+                              "greedy_mismatches": 0}},
+        "turns_in_flight": {"4": {"dlite": {**level, "decode_tokens_per_second": 80.0}, "ar": level,
+                                  "dlite/ar": 1.5, "dlite/ar decode": 2.0, "greedy_mismatches": 0,
+                                  "prompt_tokens": [3010, 3177, 3566, 3723]}},
         "followup": {"rows": [{"id": "h0", "held": turn, "evicted": evicted}],
                      "held_ttft_median_s": 0.2, "evicted_ttft_median_s": 4.0, "speedup": 20.0},
         "served": {"grpc_tps_median": 90.0, "library_tps_median": 100.0, "ratio": 0.9, "comm_ms_per_round": 0.4,
@@ -130,7 +134,11 @@ def test_the_report_has_every_section_the_suite_measured(tmp_path):
     for text in ("at commit abc1234", "llama.cpp was not measured", "| 4096 | 4.0 KiB | 0.5 MiB |",
                  "| agentic | 2.00x (2.00-2.00) |",
                  "| turn-2 | 3 | 1 | 20.0 (1.50) | 10.0 (1.50) |", "structured: hf", "## Requests in flight",
-                 "| 4 | 30.0 | 30.0 | 1.00x | 40.0 / 40.0 | 1.00x | 0.90 / 1.50 |",
+                 "| 4 | 30.0 | 30.0 | 1.00x | 40.0 / 40.0 | 1.00x | 0.90 / 1.50 |", "| 2.00 | 0 |",
+                 "## Agent turns in flight",
+                 "| 4 | 3,010, 3,177, 3,566, 3,723 | 80.0 / 40.0 | 2.00x | 1.50x | 2.00 | 0 |",
+                 "agent turns 4 in flight, their histories cached, dlite/ar in the decode phase: 2.00x (tau 2.00; "
+                 "end to end 1.50x)",
                  "held 0.20 s, evicted 4.00 s (20.0x)", "4: 1.00x (1.00x)",
                  "90.0 vs the library engine in-process 100.0: 90%", "| 8.0 MiB | 4.0 MiB |",
                  "dlite 900 MiB", "latency p50 / p99 s"):
@@ -160,9 +168,17 @@ def test_the_suite_runs_every_section_and_stamps_what_it_wrote(tmp_path, monkeyp
                         and fixture["memory"]["peak_rss"])
     results = suite.run(SimpleNamespace(quick=True, dtype="float32", out=str(tmp_path)))
     assert asked["speed"].workload == suite.QUICK.workloads and asked["speed"].concurrency == "1,4"
+    assert asked["speed"].turns_in_flight == suite.QUICK.turns_in_flight
     assert asked["served"].dtype == "float32" and asked["rss"] == ["dlite"]
     written = json.loads((tmp_path / "results.json").read_text())
     assert {"followup", "served", "memory", "stamp"} <= set(written) and written["stamp"]["quick"] is True
     assert written["stamp"]["commit"] == results["stamp"]["commit"] != "unknown"
     assert not (tmp_path / "results.partial.json").exists()  # only a run that stopped midway leaves it
     assert "## Memory" in (tmp_path / "report.md").read_text()
+
+
+def test_a_reply_that_differed_in_flight_reaches_the_readme_summary():
+    results = _suite_results()
+    assert "greedy replies different from plain decoding: none" in readme_summary(results)
+    results["turns_in_flight"]["4"]["greedy_mismatches"] = 1
+    assert "greedy replies different from plain decoding: dlite in flight 1" in readme_summary(results)
