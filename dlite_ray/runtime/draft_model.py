@@ -148,23 +148,21 @@ class DLiteDraftModel(nn.Module):
         prev = token_groups[:, -2] if token_groups.shape[1] > 1 else None
         state = head.initial_state(u.shape[0], u, prev)
         token = token_groups[:, -1]
-        all_greedy = bool(draft_greedy.all())
+        if bool(draft_greedy.all()):
+            tokens, runners_up = head.greedy_block(u, state, token)
+            return DraftProposal(tokens, None, runners_up=runners_up)
         tokens, probs, runners_up = [], [], []
         for k in range(num_tokens):
             state = head.advance(state, token)
             logits = head.draft_logits(state, u[:, k]).float()
-            index = logits.argmax(dim=-1)
-            if not all_greedy:
-                q = probabilities(logits[:, None], _safe_temperature(sampling))
-                index = torch.where(draft_greedy, index, sample(q, sampling.generators)[:, 0])
-                probs.append(q[:, 0])
+            q = probabilities(logits[:, None], _safe_temperature(sampling))
+            index = torch.where(draft_greedy, logits.argmax(dim=-1), sample(q, sampling.generators)[:, 0])
+            probs.append(q[:, 0])
             runners_up.append(head.to_token_ids(logits.scatter(-1, index[:, None], -torch.inf).argmax(dim=-1)))
             token = head.to_token_ids(index)
             tokens.append(token)
-        runners_up = torch.stack(runners_up, 1)
-        if all_greedy:
-            return DraftProposal(torch.stack(tokens, 1), None, runners_up=runners_up)
-        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), head.drafted_ids, runners_up)
+        return DraftProposal(torch.stack(tokens, 1), torch.stack(probs, 1), head.drafted_ids,
+                             torch.stack(runners_up, 1))
 
     def freeze(self) -> None:
         """Inference only (loaded drafts only draft; training builds its own): the backbone's

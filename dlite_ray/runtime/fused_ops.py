@@ -6,7 +6,8 @@ eight calls of ~2-5 us each, rotary six, a cache write six. `csrc/fused_ops.cpp`
 group in one call; `csrc/decode_attention.cpp` attends a step's few new rows over the paged
 cache (float32 or bf16, AVX-512); `csrc/row_linear.cpp` computes the frozen linears
 (`frozen_linear.RowLinear`); `csrc/decoder_layers.cpp` runs a decode or verify forward's
-layers in one call (`layer_loop.py`). They are compiled by torch's extension loader (ninja and the
+layers in one call (`layer_loop.py`); `csrc/draft_head.cpp` runs the draft's sequential head
+for greedy rows (`sequential_head.py`). They are compiled by torch's extension loader (ninja and the
 system C++ compiler, ~60 s once per machine, cached under ~/.cache/torch_extensions) when
 a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
 run as eager PyTorch calls and attention through the CPU flash kernel.
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
-           for name in ("fused_ops.cpp", "decode_attention.cpp", "row_linear.cpp", "decoder_layers.cpp")]
+           for name in ("fused_ops.cpp", "decode_attention.cpp", "row_linear.cpp", "decoder_layers.cpp",
+                        "draft_head.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # -ffp-contract=off: products rounded as written
 
 
@@ -183,6 +185,22 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     k_cache, v_cache, slots, first)` would, bit for bit; the chains' slots agree on the
     tree's context, positions [0, shared), whose keys are read once for every chain."""
     return kernels().tree_attention(q.contiguous(), k_cache, v_cache, chains, shared)
+
+
+def greedy_head(u: torch.Tensor, state: torch.Tensor, token: torch.Tensor, embedding: torch.Tensor,
+                state_packed: torch.Tensor, state_bias: torch.Tensor | None, hidden_packed: torch.Tensor,
+                hidden_bias: torch.Tensor | None, out_packed: torch.Tensor, out_features: int, out_ids: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's sequential head, K greedy steps in one call, bit for bit its eager loop
+    (csrc/draft_head.cpp; `DLiteSequentialHead.greedy_block`): u [N, K, D] float32 -> (tokens
+    [N, K], runners-up [N, K]). The linears packed by `pack_row_linear`. Only where `serves(u)`."""
+    return kernels().greedy_head(u, state, token, embedding, state_packed, state_bias, hidden_packed, hidden_bias,
+                                 out_packed, out_features, out_ids)
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether the compiled kernels take this inference call's tensor (on the CPU, built, no gradients)."""
+    return _fused(x) is not None
 
 
 ROW_LINEAR_PANEL = 64  # output columns per packed panel (csrc/row_linear.cpp)

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.draft_vocab import sorted_and_distinct
-from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear
+from dlite_ray.runtime.frozen_linear import FrozenLinear, RowLinear, freeze_linear
 
 
 class DLiteSequentialHead(nn.Module):
@@ -72,6 +73,42 @@ class DLiteSequentialHead(nn.Module):
         if self._subset_proj is None:
             return self.logits(state, u)
         return self._subset_proj(self.hidden(state, u))
+
+    @torch.inference_mode()
+    def greedy_block(self, u: torch.Tensor, state: torch.Tensor, token: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K steps from s_0 = `state` and the anchor `token` [N], each feeding its argmax to
+        the next: u [N, K, D] -> (tokens [N, K], runners-up [N, K]: at each step the likeliest
+        other token). In one kernel call where the compiled kernels serve a float32 head
+        (inference), else step by step."""
+        linears = self._row_linears()
+        if linears is None or not fused_ops.serves(u):
+            return self._greedy_steps(u, state, token)
+        step, hidden, out = linears
+        ids = self.drafted_ids if self.drafted_ids is not None else torch.empty(0, dtype=torch.long)
+        return fused_ops.greedy_head(u.float(), state.float(), token, self.prev_token_embedding.weight.detach(),
+                                     step.packed, step.bias, hidden.packed, hidden.bias, out.packed,
+                                     out.out_features, ids)
+
+    def _greedy_steps(self, u: torch.Tensor, state: torch.Tensor, token: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`greedy_block` eagerly, a few small calls a step: the reference."""
+        tokens, runners_up = [], []
+        for k in range(u.shape[1]):
+            state = self.advance(state, token)
+            logits = self.draft_logits(state, u[:, k]).float()
+            index = logits.argmax(dim=-1)
+            runners_up.append(self.to_token_ids(logits.scatter(-1, index[:, None], -torch.inf).argmax(dim=-1)))
+            token = self.to_token_ids(index)
+            tokens.append(token)
+        return torch.stack(tokens, 1), torch.stack(runners_up, 1)
+
+    def _row_linears(self) -> tuple[RowLinear, RowLinear, RowLinear] | None:
+        """W_s, W_h and the drafted rows of W_o where each is computed by our kernel
+        (`freeze_linears` on a CPU that has it), else None."""
+        out = self._subset_proj if self._subset_proj is not None else self.output_proj.forward
+        linears = (self.state_proj.forward, self.state_hidden_mlp.forward, out)
+        return linears if all(isinstance(linear, RowLinear) for linear in linears) else None
 
     def to_token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """draft_logits indices -> token ids."""

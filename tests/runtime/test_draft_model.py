@@ -134,3 +134,44 @@ def test_corrupt_shape_is_an_error(saved_draft):
     save_file(state, path / "model.safetensors")
     with pytest.raises(DraftConfigError, match="context_norm.weight: shape"):
         DLiteDraftModel.load(path, target.embed_tokens, 4)
+
+
+def _loaded_head(saved_draft):
+    from dlite_ray.runtime import fused_ops
+
+    if torch.float32 not in fused_ops.kernel_dtypes():
+        pytest.skip("the compiled kernels do not compute float32 on this machine")
+    target, _, path = saved_draft
+    head = DLiteDraftModel.load(path, target.embed_tokens, target.cfg.num_layers).sequential_head
+    assert head._row_linears() is not None  # the kernel's path, not the eager one
+    return head, target.cfg.hidden_size
+
+
+@pytest.mark.parametrize("subset", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_the_greedy_head_kernel_gives_the_eager_loops_bits(saved_draft, subset, rows):
+    head, hidden = _loaded_head(saved_draft)
+    if subset:
+        head.restrict_vocabulary(torch.arange(3, 120, 2))
+    torch.manual_seed(rows)
+    u, state = torch.randn(rows, 7, hidden), torch.randn(rows, head.rank)
+    token = torch.randint(0, head.prev_token_embedding.num_embeddings, (rows,))
+    tokens, runners_up = head.greedy_block(u, state, token)
+    eager_tokens, eager_runners_up = head._greedy_steps(u, state, token)
+    assert torch.equal(tokens, eager_tokens) and torch.equal(runners_up, eager_runners_up)
+    assert not torch.equal(tokens, runners_up)
+    if subset:
+        assert torch.isin(tokens, head.drafted_ids).all() and torch.isin(runners_up, head.drafted_ids).all()
+
+
+def test_the_greedy_head_kernel_breaks_ties_as_argmax_does(saved_draft):
+    """Every logit equal: the first token is the best, the second the runner-up, as argmax
+    and argmax with the best masked out give them."""
+    head, hidden = _loaded_head(saved_draft)
+    with torch.no_grad():
+        head.output_proj.weight.copy_(head.output_proj.weight[:1].expand_as(head.output_proj.weight))
+    head.restrict_vocabulary(torch.tensor([4, 9, 30, 31]))
+    u, state, token = torch.randn(2, 5, hidden), torch.randn(2, head.rank), torch.tensor([1, 2])
+    tokens, runners_up = head.greedy_block(u, state, token)
+    assert tokens.unique().tolist() == [4] and runners_up.unique().tolist() == [9]
+    assert all(torch.equal(a, b) for a, b in zip((tokens, runners_up), head._greedy_steps(u, state, token)))

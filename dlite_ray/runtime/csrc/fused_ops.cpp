@@ -170,6 +170,7 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 void register_decode_attention(pybind11::module& m);  // decode_attention.cpp
 void register_row_linear(pybind11::module& m);        // row_linear.cpp
 void register_decoder_layers(pybind11::module& m);    // decoder_layers.cpp
+void register_draft_head(pybind11::module& m);        // draft_head.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &dlite::rms_norm);
@@ -181,4 +182,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_attention(m);
   register_row_linear(m);
   register_decoder_layers(m);
+  register_draft_head(m);
 }
