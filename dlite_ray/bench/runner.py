@@ -92,7 +92,7 @@ def measure_all(args) -> dict:
                    for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
         results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
         results["concurrency_max_prompt"] = CONCURRENCY_MAX_PROMPT
-    if getattr(args, "turns_in_flight", None):
+    if args.turns_in_flight:
         results["turns_in_flight"] = measure_turns_in_flight(dlite, prompts, args.turns_in_flight,
                                                              args.max_new_tokens, args.repeats)
     return results
@@ -109,7 +109,7 @@ def measure_turns_in_flight(dlite: DLiteEngine, prompts: dict[str, list[BenchReq
     engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=lookup)
                for name, draft, lookup in (("dlite", dlite.draft, dlite.lookup_tokens), ("ar", None, 0))}
     out = measure_concurrency(engines, turns, [n], max_new_tokens, repeats, warm_prompts=True)[str(n)]
-    out["prompt_tokens"] = sorted(len(ids) for ids in turns[:n])
+    out["prompt_tokens"] = sorted(len(turns[i % len(turns)]) for i in range(n))  # the batch cycles the turns
     return {str(n): out}
 
 
