@@ -304,8 +304,9 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
     for n in levels:
         batch = [items[i % len(items)] for i in range(n)]
         runs: dict[str, list[dict]] = {name: [] for name in engines}
+        warm_up, warm_tokens = (batch, 1) if warm_prompts else (batch[:1], 4)
         for engine in engines.values():
-            engine.generate(batch if warm_prompts else batch[:1], max_new_tokens=1 if warm_prompts else 4)
+            engine.generate(warm_up, max_new_tokens=warm_tokens)
         replies: dict[str, list[list[int]]] = {}
         for rep in range(repeats):
             order = list(engines.items()) if rep % 2 == 0 else list(reversed(engines.items()))
