@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError
+from dlite_ray.runtime.draft_layer_loop import DraftLayerLoop
 from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
@@ -83,6 +85,7 @@ class DLiteDraftModel(nn.Module):
         self.sequential_head = DLiteSequentialHead(lc.hidden_size, cfg.sequential_rank, lc.vocab_size)
         self.rotary = Rotary(lc.head_dim, lc.rope_theta)
         self.register_buffer("layer_ids", torch.tensor(cfg.target_layer_ids), persistent=False)
+        self.layer_loop: DraftLayerLoop | None = None  # set by freeze() where the kernels serve
 
     # -- backbone ---------------------------------------------------------------------
     def backbone(self, features: torch.Tensor, token_groups: torch.Tensor, num_masks: int,
@@ -99,6 +102,8 @@ class DLiteDraftModel(nn.Module):
         pos = build_block_position_ids(g, num_masks, s, features.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         ctx_cos, ctx_sin, q_cos, q_sin = cos[:s], sin[:s], cos[s:], sin[s:]
+        if history is None and self.layer_loop is not None and fused_ops.serves(x):
+            return self.layer_loop.run(x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, g)
         mask = None
         if history is not None:
             h_cos, h_sin = self.rotary.cos_sin(pos[0] - history.distances, x.dtype)
@@ -177,6 +182,7 @@ class DLiteDraftModel(nn.Module):
             layer.mlp.freeze()
         self.sequential_head.float()
         freeze_linears(self)
+        self.layer_loop = DraftLayerLoop.for_model(self)
 
     # -- checkpoint (public layout) ---------------------------------------------------
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,8 @@ group in one call; `csrc/decode_attention.cpp` attends a step's few new rows ove
 cache (float32 or bf16, AVX-512); `csrc/row_linear.cpp` computes the frozen linears
 (`frozen_linear.RowLinear`); `csrc/decoder_layers.cpp` runs a decode or verify forward's
 layers in one call (`layer_loop.py`); `csrc/draft_head.cpp` runs the draft's sequential head
-for greedy rows (`sequential_head.py`). They are compiled by torch's extension loader (ninja and the
+for greedy rows (`sequential_head.py`), and `csrc/draft_backbone.cpp` its backbone's layers
+(`draft_layer_loop.py`). They are compiled by torch's extension loader (ninja and the
 system C++ compiler, ~60 s once per machine, cached under ~/.cache/torch_extensions) when
 a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
 run as eager PyTorch calls and attention through the CPU flash kernel.
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("fused_ops.cpp", "decode_attention.cpp", "row_linear.cpp", "decoder_layers.cpp",
-                        "draft_head.cpp")]
+                        "draft_head.cpp", "draft_backbone.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]  # -ffp-contract=off: products rounded as written
 
 

@@ -7,7 +7,7 @@ import torch
 
 from dlite_ray.engine.draft_transport import InProcessDraftTransport
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.runtime.draft_config import DraftConfig
+from dlite_ray.runtime.draft_config import DLITE_RAY_CONVENTIONS, DraftConfig, DraftConventions
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import load_target
 from tests.conftest import make_tiny_checkpoint, read_config
@@ -15,8 +15,10 @@ from tests.engine.test_requests import CharTokenizer
 
 
 def random_draft(target, hf_config: dict, seed: int = 1, layers: int = 1, slots: int = 3, rank: int = 8,
-                 block_size: int = 8) -> DLiteDraftModel:
-    cfg = DraftConfig.for_target(hf_config, layers, slots, rank, mask_token_id=0, block_size=block_size)
+                 block_size: int = 8, anchor_group_size: int = 1,
+                 conventions: DraftConventions = DLITE_RAY_CONVENTIONS) -> DLiteDraftModel:
+    cfg = DraftConfig.for_target(hf_config, layers, slots, rank, mask_token_id=0, block_size=block_size,
+                                 anchor_group_size=anchor_group_size, conventions=conventions)
     torch.manual_seed(seed)
     draft = DLiteDraftModel(cfg, target.embed_tokens)
     with torch.no_grad():

@@ -171,6 +171,7 @@ void register_decode_attention(pybind11::module& m);  // decode_attention.cpp
 void register_row_linear(pybind11::module& m);        // row_linear.cpp
 void register_decoder_layers(pybind11::module& m);    // decoder_layers.cpp
 void register_draft_head(pybind11::module& m);        // draft_head.cpp
+void register_draft_backbone(pybind11::module& m);    // draft_backbone.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &dlite::rms_norm);
@@ -183,4 +184,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_row_linear(m);
   register_decoder_layers(m);
   register_draft_head(m);
+  register_draft_backbone(m);
 }
