@@ -1,5 +1,5 @@
-"""dlite-ray: one entry point (generate, fetch-model, bench, bench-suite, bench-runtime, bench-serve,
-bench-followup, loadtest, train, draft-vocab, gpu-check)."""
+"""dlite-ray: one entry point (generate, fetch-model, bench, bench-suite, bench-ablation, bench-runtime,
+bench-serve, bench-followup, loadtest, soak, train, draft-vocab, gpu-check)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ DTYPE_CHOICES = ["auto", "float32", "bfloat16"]
 log = logging.getLogger("dlite_ray")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlite-ray", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     suite.add_argument("--out", default="docs/bench", help="results.json, report.md and the plots go here")
     suite.add_argument("--quick", action="store_true", help="every section small, in a few minutes (not figures)")
     suite.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+
+    ab = sub.add_parser("bench-ablation", help="what each piece of dlite buys, against plain decoding: "
+                        "docs/bench/ablation")
+    ab.add_argument("--out", default="docs/bench/ablation", help="ablation.json and ablation.md go here")
+    ab.add_argument("--workload", default="code,agentic:2,long-context:2")
+    ab.add_argument("--limit", type=int, default=3, help="prompts per workload")
+    ab.add_argument("--max-new-tokens", type=int, default=96)
+    ab.add_argument("--repeats", type=int, default=3)
+    ab.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
 
     sv = sub.add_parser("bench-serve", help="tokens/s through the Serve app over gRPC vs the library engine")
     sv.add_argument("--workload", default="chat")
@@ -147,8 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     gc.add_argument("--out", default="gpu-check.json", help="the JSON report (rewritten after every section)")
     gc.add_argument("--small", action="store_true", help="tiny shapes (runs on a CPU in seconds)")
     gc.add_argument("--device", default=None, help="default: cuda when there is one, else cpu (with --small only)")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command != "generate" else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return COMMANDS[args.command](args)
@@ -231,6 +243,13 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_ablation(args) -> int:
+    from dlite_ray.bench.ablation import run
+
+    run(args)
+    return 0
+
+
 def cmd_bench_suite(args) -> int:
     from dlite_ray.bench.suite import run
 
@@ -305,7 +324,8 @@ def cmd_gpu_check(args) -> int:
 
 COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup,
-            "bench-suite": cmd_bench_suite, "loadtest": cmd_loadtest, "soak": cmd_soak, "train": cmd_train,
+            "bench-suite": cmd_bench_suite, "bench-ablation": cmd_bench_ablation, "loadtest": cmd_loadtest,
+            "soak": cmd_soak, "train": cmd_train,
             "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":

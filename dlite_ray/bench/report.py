@@ -54,7 +54,7 @@ def readme_summary(results: dict) -> str:
     lines = ["| workload | " + " | ".join(names) + " | dlite/ar per prompt |", "|---" * (len(names) + 2) + "|"]
     for w, per in results["workloads"].items():
         cells = [_speed_cell(per.get(n)) for n in names]
-        lines.append(f"| {w} | " + " | ".join(cells) + f" | {_ratio_cell(by_workload.get(w, {}).get('dlite/ar'))} |")
+        lines.append(f"| {w} | " + " | ".join(cells) + f" | {ratio_cell(by_workload.get(w, {}).get('dlite/ar'))} |")
     lines.append("")
     sweep, followup, served, memory = (results.get(k) for k in ("concurrency", "followup", "served", "memory"))
     if sweep:
@@ -135,12 +135,12 @@ def _headline(results: dict) -> list[str]:
     lines = ["dlite's decode speed over each method's, prompt by prompt: median (quartiles):", "",
              "| workload | " + " | ".join(others) + " |", "|---" * (len(others) + 1) + "|"]
     for w, per in by_workload.items():
-        cells = [_ratio_cell(per.get(k)) for k in others]
+        cells = [ratio_cell(per.get(k)) for k in others]
         lines.append(f"| {w} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
-def _ratio_cell(ratio: dict | None) -> str:
+def ratio_cell(ratio: dict | None) -> str:
     if ratio is None:
         return "-"
     q1, q3 = ratio["quartiles"]

@@ -62,7 +62,7 @@ QUICK = Plan(workloads="chat:1,agentic:1,structured:1", limit=1, max_new_tokens=
 def run(args) -> dict:
     plan = QUICK if args.quick else FULL
     dtype = resolve_dtype(args.dtype, "cpu")
-    commit = _commit()  # the code measured: taken now, not after a run that may outlast a commit
+    commit = git_commit()  # the code measured: taken now, not after a run that may outlast a commit
     started = time.perf_counter()
     timings = {}
     partial = Path(args.out) / "results.partial.json"  # what a failed or stopped run had measured
@@ -123,7 +123,7 @@ def _methods(quick: bool) -> list[str]:
     return methods
 
 
-def _commit() -> str:
+def git_commit() -> str:
     """HEAD, marked dirty where tracked files other than the bench's own outputs differ from it."""
     repo = Path(__file__).resolve().parents[2]
 
