@@ -33,6 +33,7 @@ from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
 from dlite_ray.engine.structured_output import mask_rows
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.sampling import (
     GREEDY,
     MATCH,
@@ -285,7 +286,7 @@ class SpecDecoder:
     @staticmethod
     def _verify_tree(seq: Sequence, tree: CandidateTree, logits: torch.Tensor) -> tuple[list[int], int]:
         if seq.params.mode == GREEDY:
-            return walk_greedy(tree, logits.argmax(dim=-1).tolist())
+            return walk_greedy(tree, fused_ops.argmax(logits).tolist())
         p = probabilities(logits[None], _row_sampling([seq], logits.device))[0]
         return walk_sampled(tree, p, seq.generator)
 

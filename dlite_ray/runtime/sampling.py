@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dlite_ray.runtime import fused_ops
+
 GREEDY, REJECTION, MATCH = "greedy", "rejection", "match"
 VERIFY_MODES = (GREEDY, REJECTION, MATCH)
 
@@ -101,7 +103,7 @@ def _accepted_length(accept: torch.Tensor, num_drafts: torch.Tensor) -> torch.Te
 
 def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor):
     """target_logits [B, K+1, V], drafts [B, K], num_drafts [B] -> (A [B], next token [B])."""
-    best = target_logits.argmax(dim=-1)  # [B, K+1]
+    best = fused_ops.argmax(target_logits)  # [B, K+1]
     accepted = _accepted_length(drafts == best[:, :-1], num_drafts)
     return accepted, best.gather(1, accepted[:, None]).squeeze(1)
 

@@ -334,3 +334,35 @@ def test_decode_attention_rejects_other_dtypes_and_head_dims(kernels):
                                  v_cache[..., :32].contiguous(), slots, 10)
     with pytest.raises(RuntimeError, match="does not attend"):
         kernels.decode_attention(q.double(), k_cache.double(), v_cache.double(), slots, 10)
+
+
+@pytest.mark.parametrize("width", [1, 15, 17, 64, 65, 200, 49152])
+def test_argmax_is_torchs_argmax(kernels, width):
+    """Random rows, ties (the first of equal maxima), -inf rows (masked by a grammar), NaNs
+    (the first one, as torch gives it), at widths around the kernel's 16 and 64 lanes."""
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(2, 6, width, generator=gen)
+    logits[0, 1] = 0.5  # every value tied
+    logits[0, 2] = -torch.inf
+    logits[0, 3, -1] = torch.nan
+    logits[0, 4, :] = torch.randint(0, 3, (width,), generator=gen).float()  # ties at the maximum, 2
+    if width > 2:
+        logits[0, 5, width // 3] = torch.nan
+        logits[0, 5, -2] = torch.inf
+    with torch.inference_mode():
+        got = fused_ops.argmax(logits)
+        assert got.shape == (2, 6) and torch.equal(got, logits.argmax(dim=-1))
+        assert torch.equal(kernels.argmax_rows(logits.view(-1, width)), logits.argmax(dim=-1).view(-1))
+
+
+def test_argmax_leaves_what_the_kernel_does_not_serve_to_torch(kernels, monkeypatch):
+    x = torch.randn(3, 40)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.argmax_rows(x.double())
+    calls = []
+    monkeypatch.setattr(kernels, "argmax_rows", lambda x: calls.append(x))
+    assert torch.equal(fused_ops.argmax(x), x.argmax(-1))  # gradients on: eager
+    with torch.inference_mode():
+        for other in (x.double(), x.bfloat16(), torch.randn(0, 40)):
+            assert torch.equal(fused_ops.argmax(other), other.argmax(-1))
+    assert calls == []

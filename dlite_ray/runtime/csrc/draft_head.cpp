@@ -8,12 +8,7 @@
 // with the best masked out give them.
 #include <torch/extension.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
-#include <limits>
 #include <tuple>
 #include <utility>
 
@@ -21,26 +16,6 @@
 
 namespace dlite {
 namespace {
-
-// The largest of v[begin, end) (-inf where empty), 16 lanes at a time where the build has AVX-512.
-float max_of(const float* v, int64_t begin, int64_t end) {
-  float best = -std::numeric_limits<float>::infinity();
-  int64_t j = begin;
-#if defined(__AVX512F__)
-  __m512 lanes = _mm512_set1_ps(best);
-  for (; j + 16 <= end; j += 16) lanes = _mm512_max_ps(lanes, _mm512_loadu_ps(v + j));
-  best = _mm512_reduce_max_ps(lanes);
-#endif
-  for (; j < end; ++j) best = std::max(best, v[j]);
-  return best;
-}
-
-// The first index of `value` in v[begin, end), or -1.
-int64_t first_of(const float* v, int64_t begin, int64_t end, float value) {
-  for (int64_t j = begin; j < end; ++j)
-    if (v[j] == value) return j;
-  return -1;
-}
 
 // The best index and the best among the others (finite logits: what argmax, and argmax with
 // the best masked out, give). A scalar scan took ~8 us a row of 8,192 logits, 0.9 ms of a

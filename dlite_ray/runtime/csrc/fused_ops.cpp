@@ -172,6 +172,7 @@ void register_row_linear(pybind11::module& m);        // row_linear.cpp
 void register_decoder_layers(pybind11::module& m);    // decoder_layers.cpp
 void register_draft_head(pybind11::module& m);        // draft_head.cpp
 void register_draft_backbone(pybind11::module& m);    // draft_backbone.cpp
+void register_argmax(pybind11::module& m);            // argmax.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &dlite::rms_norm);
@@ -185,4 +186,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decoder_layers(m);
   register_draft_head(m);
   register_draft_backbone(m);
+  register_argmax(m);
 }

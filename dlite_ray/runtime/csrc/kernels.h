@@ -11,8 +11,15 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define DLITE_AMX_BUILD 1  // the tile unit's instructions are in this build (amx_enabled: whether they run)
 #endif
 
@@ -42,6 +49,44 @@ inline bool avx512_computes(at::ScalarType dtype) {
     if (built == dtype) return true;
   return false;
 }
+
+// Scans of a row of float32 logits (argmax.cpp, draft_head.cpp).
+// The largest of v[begin, end), NaNs aside (-inf where empty): four vectors of lanes at a time.
+inline float max_of(const float* v, int64_t begin, int64_t end) {
+  float best = -INFINITY;
+  int64_t j = begin;
+#if defined(__AVX512F__)
+  __m512 a = _mm512_set1_ps(best), b = a, c = a, d = a;
+  for (; j + 64 <= end; j += 64) {
+    a = _mm512_max_ps(a, _mm512_loadu_ps(v + j));
+    b = _mm512_max_ps(b, _mm512_loadu_ps(v + j + 16));
+    c = _mm512_max_ps(c, _mm512_loadu_ps(v + j + 32));
+    d = _mm512_max_ps(d, _mm512_loadu_ps(v + j + 48));
+  }
+  for (; j + 16 <= end; j += 16) a = _mm512_max_ps(a, _mm512_loadu_ps(v + j));
+  best = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
+#endif
+  for (; j < end; ++j) best = std::max(best, v[j]);
+  return best;
+}
+
+// The first index of `value` in v[begin, end), or -1.
+inline int64_t first_of(const float* v, int64_t begin, int64_t end, float value) {
+  int64_t j = begin;
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_set1_ps(value);
+  for (; j + 16 <= end; j += 16) {
+    const __mmask16 equal = _mm512_cmp_ps_mask(_mm512_loadu_ps(v + j), x, _CMP_EQ_OQ);
+    if (equal) return j + __builtin_ctz(equal);
+  }
+#endif
+  for (; j < end; ++j)
+    if (v[j] == value) return j;
+  return -1;
+}
+
+// argmax.cpp
+torch::Tensor argmax_rows(const torch::Tensor& logits);
 
 // fused_ops.cpp
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);
