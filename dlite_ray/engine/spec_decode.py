@@ -41,6 +41,7 @@ from dlite_ray.runtime.sampling import (
     RowSampling,
     probabilities,
     verify_greedy,
+    verify_greedy_row,
     verify_match,
     verify_rejection,
 )
@@ -277,7 +278,7 @@ class SpecDecoder:
             a, n = self._verify_chains(sub, modes, [proposal.tokens[i] for i in chains],
                                        [proposal.q_probs.get(i) if proposal.q_probs else None for i in chains],
                                        [outs[i] for i in chains])
-            for i, accepted, token in zip(chains, a.tolist(), n.tolist()):  # the step's host sync for verification
+            for i, accepted, token in zip(chains, a, n):
                 branches[i], next_tokens[i] = list(range(accepted + 1)), token
         for i in trees:
             branches[i], next_tokens[i] = self._verify_tree(seqs[i], proposal.trees[i], outs[i].logits)
@@ -292,7 +293,12 @@ class SpecDecoder:
 
     def _verify_chains(self, seqs: list[Sequence], modes: list[str], drafts: list[list[int]],
                        q_rows: list[torch.Tensor | None], outs: list[RowOutput]):
-        """Rows whose candidates are one chain, vectorised -> (A [B], next token [B])."""
+        """Rows whose candidates are one chain, vectorised -> (A, next token), a list each."""
+        if outs[0].logits.device.type == "cpu" and all(m == GREEDY and s.grammar is None for s, m in zip(seqs, modes)):
+            # On the CPU one batched call saves nothing: each row's argmax where its logits lie,
+            # without stacking them into a padded copy (~0.2 ms a step of 8 rows).
+            rows = [verify_greedy_row(fused_ops.argmax(o.logits).tolist(), d) for o, d in zip(outs, drafts)]
+            return [a for a, _ in rows], [t for _, t in rows]
         ks = [len(d) for d in drafts]
         width = max(ks) + 1
         logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
@@ -321,7 +327,7 @@ class SpecDecoder:
                     q = _stack_q([q_rows[i] for i in idx], width - 1, p)
                     a, t = verify_rejection(p, q, draft_t[it], num[it], rs.generators)
             accepted[it], next_tokens[it] = a, t
-        return accepted, next_tokens
+        return accepted.tolist(), next_tokens.tolist()  # the step's host sync for verification
 
 
 def _verify_mode(seq: Sequence, copied: bool) -> str:

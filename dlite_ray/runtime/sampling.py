@@ -108,6 +108,15 @@ def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, num_drafts:
     return accepted, best.gather(1, accepted[:, None]).squeeze(1)
 
 
+def verify_greedy_row(best: list[int], draft: list[int]) -> tuple[int, int]:
+    """`verify_greedy` for one row on the host: the target's greedy tokens at its K + 1 rows
+    against its K drafts -> (A, the next token)."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == best[accepted]:
+        accepted += 1
+    return accepted, best[accepted]
+
+
 def verify_rejection(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
                      generators: list[torch.Generator | None]):
     """p [B, K+1, V] target probs, q [B, K, V] draft probs (what the drafts were sampled from)."""

@@ -361,8 +361,14 @@ def test_argmax_leaves_what_the_kernel_does_not_serve_to_torch(kernels, monkeypa
         kernels.argmax_rows(x.double())
     calls = []
     monkeypatch.setattr(kernels, "argmax_rows", lambda x: calls.append(x))
-    assert torch.equal(fused_ops.argmax(x), x.argmax(-1))  # gradients on: eager
-    with torch.inference_mode():
-        for other in (x.double(), x.bfloat16(), torch.randn(0, 40)):
-            assert torch.equal(fused_ops.argmax(other), other.argmax(-1))
+    for other in (x.double(), x.bfloat16(), torch.randn(0, 40)):
+        assert torch.equal(fused_ops.argmax(other), other.argmax(-1))
     assert calls == []
+
+
+def test_argmax_serves_with_gradients_on(kernels, monkeypatch):
+    """Verification runs outside the forward's inference mode: the kernel takes it there too."""
+    calls = []
+    monkeypatch.setattr(kernels, "argmax_rows", lambda x: calls.append(x) or x.argmax(-1))
+    x = torch.randn(2, 3, 40)
+    assert torch.is_grad_enabled() and torch.equal(fused_ops.argmax(x), x.argmax(-1)) and len(calls) == 1

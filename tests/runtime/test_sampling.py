@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlite_ray.runtime.sampling import RowSampling, probabilities, sample, verify_greedy, verify_match, verify_rejection
+from dlite_ray.runtime.sampling import (
+    RowSampling,
+    probabilities,
+    sample,
+    verify_greedy,
+    verify_greedy_row,
+    verify_match,
+    verify_rejection,
+)
 from tests.helpers import chi2_pvalue
 
 V, K, N = 8, 3, 40000
@@ -110,6 +118,17 @@ def test_greedy_rows_each_get_their_own_length():
     accepted, nxt = verify_greedy(logits, drafts, torch.tensor([3, 3, 2]))
     assert accepted.tolist() == [3, 1, 0]
     assert nxt.tolist() == [1, 1, 1]
+
+
+def test_one_greedy_row_on_the_host_is_verify_greedys_row():
+    gen = torch.Generator().manual_seed(3)
+    for k in range(5):
+        for _ in range(20):
+            logits = torch.randn(1, k + 1, 4, generator=gen)
+            best = logits.argmax(-1)[0].tolist()
+            draft = [b if torch.rand(1, generator=gen) < 0.7 else (b + 1) % 4 for b in best[:k]]
+            accepted, nxt = verify_greedy(logits, torch.tensor([draft], dtype=torch.long).view(1, k), torch.tensor([k]))
+            assert verify_greedy_row(best, draft) == (accepted.item(), nxt.item())
 
 
 def test_seeded_sampling_is_reproducible():
