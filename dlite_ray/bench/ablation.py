@@ -55,7 +55,7 @@ def run(args) -> dict:
                                        draft_b="default", dtype=dtype, concurrency=None, turns_in_flight=None))
     settings = {name: _in_own_process(flags, env, plan) for name, (flags, env) in SETTINGS.items()}
     results = {"stamp": {"date": started.isoformat(timespec="seconds"), "commit": commit, "dtype": dtype,
-                         "command": "dlite-ray bench-ablation " + " ".join(sys.argv[2:]),
+                         "command": " ".join(["dlite-ray bench-ablation", *sys.argv[2:]]),
                          "minutes": (datetime.datetime.now(datetime.timezone.utc) - started).total_seconds() / 60},
                "plan": plan, "workloads": list(main["workloads"]), "rows": ablation_rows(main, settings),
                "plain_decoding": plain_decoding(main, settings),
@@ -87,11 +87,11 @@ def _rows(results: dict, workload: str, method: str) -> list[dict]:
 
 
 def _row(results: dict, method: str) -> dict:
-    """Per workload: `method` over ar prompt by prompt, and its tau."""
+    """Per workload: `method` over ar prompt by prompt, its median decode tokens/s and its tau."""
     cells = {}
     for w, per in results["workloads"].items():
         cells[w] = {"vs_ar": paired_ratio(_rows(results, w, method), _rows(results, w, "ar")),
-                    "tau": per[method]["mean_accept_length"]}
+                    "tokens_per_second": per[method]["tokens_per_second"], "tau": per[method]["mean_accept_length"]}
     return cells
 
 
@@ -145,11 +145,14 @@ def markdown(results: dict) -> str:
         taus = " / ".join("-" if row[w]["tau"] is None else f"{row[w]['tau']:.2f}" for w in workloads)
         lines.append(f"| {row['name']} | " + " | ".join(ratio_cell(row[w]["vs_ar"]) for w in workloads)
                      + f" | {taus} |")
-    plain = results["plain_decoding"]
-    lines += ["", "Plain decoding's median decode tokens/s, by default and under each setting (across processes):",
-              "", "| | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
-    for name, per in plain.items():
-        lines.append(f"| {name} | " + " | ".join(f"{per[w]:.1f}" for w in workloads) + " |")
+    lines += ["", "Median decode tokens/s of each row, then of plain decoding by default and under each setting "
+              "(compare across processes with care: they ran one after another):", "",
+              "| | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
+    for row in results["rows"]:
+        lines.append(f"| {row['name']} | " + " | ".join(f"{row[w]['tokens_per_second']:.1f}" for w in workloads) + " |")
+    for name, per in results["plain_decoding"].items():
+        label = "plain decoding" + ("" if name == "default" else f", {name}")
+        lines.append(f"| {label} | " + " | ".join(f"{per[w]:.1f}" for w in workloads) + " |")
     lines += ["", "Per-position acceptance over every prompt, P(position k accepted | reached), k = 1, 2, ..:", ""]
     for method, probs in results["per_position"].items():
         lines.append(f"- {method}: " + " ".join("-" if p is None else f"{p:.2f}" for p in probs))
