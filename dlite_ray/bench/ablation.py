@@ -129,6 +129,18 @@ def per_position(results: dict, methods: list[str]) -> dict:
     return out
 
 
+def readme_table(results: dict) -> str:
+    """The ratio table: each row over plain decoding per workload, and its tau (README quotes it)."""
+    workloads = results["workloads"]
+    lines = ["| | " + " | ".join(workloads) + " | tau: " + " / ".join(workloads) + " |",
+             "|---|" + "---|" * (len(workloads) + 1)]
+    for row in results["rows"]:
+        taus = " / ".join("-" if row[w]["tau"] is None else f"{row[w]['tau']:.2f}" for w in workloads)
+        lines.append(f"| {row['name']} | " + " | ".join(ratio_cell(row[w]["vs_ar"]) for w in workloads)
+                     + f" | {taus} |")
+    return "\n".join(lines)
+
+
 def markdown(results: dict) -> str:
     stamp, plan = results["stamp"], results["plan"]
     workloads = results["workloads"]
@@ -139,12 +151,7 @@ def markdown(results: dict) -> str:
              "Decode speed over plain decoding's in the same process, prompt by prompt: median (quartiles); "
              "tau in the last column. The first rows share one process and its plain decoding; each of the last "
              f"{len(SETTINGS)} ran in a process of its own, dlite and plain decoding both under its setting.", "",
-             "| | " + " | ".join(workloads) + " | tau: " + " / ".join(workloads) + " |",
-             "|---|" + "---|" * (len(workloads) + 1)]
-    for row in results["rows"]:
-        taus = " / ".join("-" if row[w]["tau"] is None else f"{row[w]['tau']:.2f}" for w in workloads)
-        lines.append(f"| {row['name']} | " + " | ".join(ratio_cell(row[w]["vs_ar"]) for w in workloads)
-                     + f" | {taus} |")
+             readme_table(results)]
     lines += ["", "Median decode tokens/s of each row, then of plain decoding by default and under each setting "
               "(compare across processes with care: they ran one after another):", "",
               "| | " + " | ".join(workloads) + " |", "|---|" + "---|" * len(workloads)]
