@@ -293,7 +293,8 @@ class SpecDecoder:
 
     def _verify_chains(self, seqs: list[Sequence], modes: list[str], drafts: list[list[int]],
                        q_rows: list[torch.Tensor | None], outs: list[RowOutput]):
-        """Rows whose candidates are one chain, vectorised -> (A, next token), a list each."""
+        """Rows whose candidates are one chain -> (A, next token), a list each: vectorised over
+        the rows, except greedy ones on the CPU, which go row by row."""
         if outs[0].logits.device.type == "cpu" and all(m == GREEDY and s.grammar is None for s, m in zip(seqs, modes)):
             # On the CPU one batched call saves nothing: each row's argmax where its logits lie,
             # without stacking them into a padded copy (~0.2 ms a step of 8 rows).
