@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
