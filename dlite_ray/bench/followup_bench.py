@@ -21,7 +21,8 @@ import time
 
 from tqdm import tqdm
 
-from dlite_ray.bench.workloads import TOOL_RESULT, load_workload
+from dlite_ray.bench.workloads import load_workload
+from dlite_ray.training.prompts import TOOL_RESULT
 
 EXPIRY_WAIT_S = 30.0
 

@@ -9,7 +9,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from dlite_ray.bench.workloads import HELD_OUT_CHAT, TOOL_RESULT
+from dlite_ray.bench.workloads import HELD_OUT_CHAT
+from dlite_ray.training.prompts import TOOL_RESULT
 
 HTTP_PORT, GRPC_PORT = 18300, 19300  # the app `dlite-ray loadtest` starts; --connect uses yours
 TOOLS_SYSTEM = ('You can call tools. Answer with a call like get_weather(city="Paris") when one is needed. '

@@ -25,12 +25,13 @@ from dlite_ray.bench.methods import HF_METHODS, EngineMethod, Run, hf_method, hf
 from dlite_ray.bench.oracle import OracleDraftTransport
 from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.stats import percentile, quartiles
-from dlite_ray.bench.workloads import TOOL_RESULT, Item, load_workload
+from dlite_ray.bench.workloads import Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.engine_config import resolve_dtype
 from dlite_ray.engine.loading import default_draft_dir, load_draft
 from dlite_ray.runtime.model_store import default_gguf_path
+from dlite_ray.training.prompts import tool_turn
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
@@ -136,7 +137,7 @@ def expand(items: list[Item], ar: DLiteEngine, max_new_tokens: int) -> list[Benc
         for turn, text in enumerate(item.later_turns, start=2):
             reply = ar.generate(ar.encode(messages), max_new_tokens=max_new_tokens)[0]
             messages += [{"role": "assistant", "content": reply.text},
-                         {"role": "user", "content": f"Tool result: {TOOL_RESULT}\n\n{text}"}]
+                         tool_turn(text)]
             ids = ar.encode(messages)
             if len(ids) + max_new_tokens >= ar.runner.max_context:
                 break

@@ -9,7 +9,8 @@ import time
 from dataclasses import dataclass
 
 from dlite_ray.bench.loadtest_client import TOOLS_SYSTEM, Client, LoadTestConfig, Record
-from dlite_ray.bench.workloads import HELD_OUT_CHAT, TOOL_RESULT
+from dlite_ray.bench.workloads import HELD_OUT_CHAT
+from dlite_ray.training.prompts import TOOL_RESULT
 
 SOLO, SOAK, SETTLE = "solo", "soak", "settle"
 LATENCY_KINDS = ("chat-http", "chat-grpc", "turn")  # what a user waits for (not creates, reads, probes)

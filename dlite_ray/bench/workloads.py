@@ -4,8 +4,9 @@
 - chat:         general instructions the draft never saw
 - code:         the dev split's code tasks (explain a standard-library function)
 - tool-use:     single-turn tool calls with schemas (BFCL_v4_multiple: not a training file)
-- agentic:      multi-turn tool loops replayed turn by turn (BFCL_v4_multi_turn_long_context,
-                not a training file): each turn appends a tool result and the next request
+- agentic:      multi-turn tool loops replayed turn by turn (BFCL_v4_multi_turn_long_context's
+                first 21 of a seeded draw; no training conversation shares a user turn with
+                them): each turn appends a tool result and the next request
 - long-context: prompts of ~2K / 4K / 7K tokens over Python standard-library source
 - structured, forced-tools: replies under a grammar (`constrained.py`)
 - any JSONL file: {"id", "messages"} or {"id", "prompt"} per line
@@ -26,6 +27,7 @@ from dlite_ray.training.prompts import (
     _bfcl_single_turn,
     _read_jsonl,
     _tool_system,
+    agent_eval_rows,
     bfcl_data_dir,
     build_prompt_set,
 )
@@ -41,7 +43,6 @@ HELD_OUT_CHAT = [
     "Explain what a closure is with an example.",
     "Give me five tips for a productive morning.",
 ]
-TOOL_RESULT = '{"status": "ok", "result": "done"}'
 
 
 @dataclass(slots=True)
@@ -74,7 +75,7 @@ def load_workload(name: str, limit: int, seed: int = 0) -> list[Item]:
         rows = _bfcl_single_turn(bfcl_data_dir() / "BFCL_v4_multiple.json")
         return [Item(s.id, s.messages, tag="tool") for s in rng.sample(rows, limit)]
     if name == "agentic":
-        return _agentic(limit, rng)
+        return _agentic(limit, seed)
     if name == "long-context":
         return _long_context(limit)
     path = Path(name)
@@ -91,12 +92,12 @@ def _from_json(row: dict) -> Item:
     raise ValueError(f"workload line {row.get('id')!r} has neither 'messages' nor 'prompt'")
 
 
-def _agentic(limit: int, rng: random.Random) -> list[Item]:
+def _agentic(limit: int, seed: int) -> list[Item]:
+    """Conversations of at least 3 turns from the pool that no training set shares a turn with."""
     data = bfcl_data_dir()
     docs = {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
-    rows = _read_jsonl(data / "BFCL_v4_multi_turn_long_context.json")
     items = []
-    for row in rng.sample(rows, min(len(rows), limit * 3)):
+    for row in agent_eval_rows(seed):
         functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
         turns = [t[0]["content"] for t in row["question"] if t]
         if functions and len(turns) >= 3:

@@ -29,6 +29,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-source", type=int, default=40, help="prompts taken from each BFCL file")
     p.add_argument("--multi-turn", type=int, default=12, help="multi-turn BFCL conversations (long histories)")
     p.add_argument("--code-tasks", type=int, default=None, help="stdlib code tasks (default 2 x --per-source)")
+    p.add_argument("--agent-loops", type=int, default=0,
+                   help="whole BFCL tool-use conversations, every turn after a tool result (none the benchmark uses)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--extend-from", nargs="+", default=None, metavar="DIR",
                    help="reuse earlier runs' data and add new prompts: the first DIR's train and dev "

@@ -28,11 +28,10 @@ import torch
 from tqdm import tqdm
 
 from dlite_ray.engine.engine import DLiteEngine, GenerationResult
-from dlite_ray.training.prompts import PromptSample
+from dlite_ray.training.prompts import PromptSample, tool_turn
 
 log = logging.getLogger(__name__)
 
-TOOL_RESULT = '{"status": "ok", "result": "done"}'
 TOP_K = 8  # target probabilities kept per position (TV loss)
 
 
@@ -60,17 +59,36 @@ def answer_prompts(engine: DLiteEngine, samples: list[PromptSample], max_new_tok
         prompts = [engine.encode(s.messages) for s in single[i:i + batch_size]]
         results = engine.generate(prompts, max_new_tokens=max_new_tokens, trace_top_k=TOP_K)
         out += [record_of(prompt, r) for prompt, r in zip(prompts, results)]
-    for s in tqdm([s for s in samples if s.later_turns], desc="multi-turn replies", unit="conv"):
-        messages = list(s.messages)
-        for turn in [None, *s.later_turns]:
-            if turn is not None:
-                messages += [{"role": "user", "content": f"Tool result: {TOOL_RESULT}\n\n{turn}"}]
-            prompt = engine.encode(messages)
-            if len(prompt) + max_new_tokens >= engine.runner.max_context:
-                break
-            reply = engine.generate(prompt, max_new_tokens=max_new_tokens, trace_top_k=TOP_K)[0]
+    conversations = [s for s in samples if s.later_turns]
+    for i in tqdm(range(0, len(conversations), batch_size), desc="multi-turn replies", unit="chunk"):
+        out += _answer_conversations(engine, conversations[i:i + batch_size], max_new_tokens)
+    return out
+
+
+def _answer_conversations(engine: DLiteEngine, samples: list[PromptSample], max_new_tokens: int) -> list[Record]:
+    """Every turn of every conversation, turn by turn: each wave answers the next turn of all
+    conversations at once (their replies join their histories, then a tool result and the next
+    user turn), until a conversation runs out of turns or of context."""
+    chats = [list(s.messages) for s in samples]
+    turns = [[None, *s.later_turns] for s in samples]
+    out = []
+    for wave in range(max(map(len, turns))):
+        live, prompts = [], []
+        for chat, own in zip(chats, turns):
+            if wave >= len(own) or (wave and chat[-1]["role"] != "assistant"):  # done, or stopped earlier
+                continue
+            if own[wave] is not None:
+                chat.append(tool_turn(own[wave]))
+            prompt = engine.encode(chat)
+            if len(prompt) + max_new_tokens < engine.runner.max_context:
+                live.append(chat)
+                prompts.append(prompt)
+        if not prompts:
+            break
+        for chat, prompt, reply in zip(live, prompts, engine.generate(prompts, max_new_tokens=max_new_tokens,
+                                                                      trace_top_k=TOP_K)):
             out.append(record_of(prompt, reply))
-            messages.append({"role": "assistant", "content": reply.text})
+            chat.append({"role": "assistant", "content": reply.text})
     return out
 
 

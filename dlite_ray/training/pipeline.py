@@ -91,7 +91,8 @@ def build_data(engine: DLiteEngine, out: Path, args) -> tuple[list, list]:
     paths = {split: out / f"data_{split}.pt" for split in ("train", "dev")}
     if all(p.exists() for p in paths.values()):
         return load_records(paths["train"]), load_records(paths["dev"])
-    prompts = build_prompt_set(args.seed, args.per_source, multi_turn=args.multi_turn)
+    prompts = build_prompt_set(args.seed, args.per_source, multi_turn=args.multi_turn, code_tasks=args.code_tasks,
+                               agent_loops=args.agent_loops)
     log.info("prompts: %d train, %d dev", len(prompts.train), len(prompts.dev))
     result = {}
     for split, samples in (("train", prompts.train), ("dev", prompts.dev)):

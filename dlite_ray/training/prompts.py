@@ -3,7 +3,10 @@ installed), code tasks over Python's own standard library, and general instructi
 
 Every sample is a chat (list of {role, content}); multi-turn BFCL samples also carry the
 later user turns, which data generation answers one after another so that the history
-grows to thousands of tokens (the agentic, long-context regime).
+grows to thousands of tokens (the agentic, long-context regime). Agent loops
+(`agent_loops`) replay whole BFCL multi-turn conversations, every user turn after a tool
+result, from files the agentic benchmark does not read; a conversation that shares a user
+turn with the benchmark's pool (`agent_eval_rows`) or with the dev split is left out.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import sys
 import sysconfig
 import tempfile
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from dlite_ray.runtime.model_store import cache_root
@@ -29,6 +32,18 @@ log = logging.getLogger(__name__)
 BFCL_PACKAGE = "bfcl-eval==2026.3.23"
 BFCL_FILES = ("BFCL_v4_live_simple", "BFCL_v4_live_multiple", "BFCL_v4_simple_python", "BFCL_v4_parallel")
 BFCL_MULTI_TURN = "BFCL_v4_multi_turn_base"
+# agent loops for training: the same tool-using sessions in three variants (a function or a
+# parameter missing), so the same user turns meet other schemas and other replies
+BFCL_AGENT_LOOPS = (BFCL_MULTI_TURN, "BFCL_v4_multi_turn_miss_func", "BFCL_v4_multi_turn_miss_param")
+MAX_AGENT_TURNS = 6
+# The agentic benchmark's conversations: the first AGENT_EVAL_POOL of a seeded draw from this
+# file. Its user turns are BFCL_MULTI_TURN's (long_context only lengthens the tool state), so
+# training leaves out every conversation that shares a turn with the pool. 21 is the largest
+# draw random.sample makes one pick at a time, so the pool begins with the conversations the
+# benchmark took when it drew 3 per item (`agentic:2`..`agentic:7`).
+AGENT_EVAL_FILE = "BFCL_v4_multi_turn_long_context"
+AGENT_EVAL_POOL = 21
+TOOL_RESULT = '{"status": "ok", "result": "done"}'  # what every replayed tool call returned
 # standard-library packages whose code is not library source: test suites, applications, data
 STDLIB_PACKAGES_SKIPPED = {"test", "tests", "idlelib", "lib2to3", "encodings", "site-packages", "turtledemo"}
 # multi-turn classes -> their schema file in multi_turn_func_doc/
@@ -87,7 +102,7 @@ GENERAL_INSTRUCTIONS = [
 @dataclass(slots=True)
 class PromptSample:
     id: str
-    kind: str  # chat | tool | multi_turn | code
+    kind: str  # chat | tool | multi_turn | agent_loop | code
     messages: list[dict[str, str]]
     later_turns: list[str] = field(default_factory=list)
 
@@ -102,17 +117,58 @@ BASE_PER_SOURCE, BASE_MULTI_TURN = 40, 12
 
 
 def build_prompt_set(seed: int = 0, per_source: int = BASE_PER_SOURCE, dev_fraction: float = 0.15,
-                     multi_turn: int = BASE_MULTI_TURN, code_tasks: int | None = None) -> PromptSet:
+                     multi_turn: int = BASE_MULTI_TURN, code_tasks: int | None = None,
+                     agent_loops: int = 0) -> PromptSet:
     """The dev split is always `dev_fraction` of the base set (the seed's sample at the
     default sizes), whatever sizes are asked for: drafts trained on larger sets are measured
     on the same held-out prompts, and no set trains on them. The train split is the asked-for
-    sample minus those prompts."""
+    sample minus those prompts, plus `agent_loops` whole conversations (`agent_loops`)."""
     base = _sample(seed, BASE_PER_SOURCE, BASE_MULTI_TURN, None)
     dev = base[:max(4, int(len(base) * dev_fraction))]
     is_base = (per_source, multi_turn, code_tasks) == (BASE_PER_SOURCE, BASE_MULTI_TURN, None)
     sample = base if is_base else _sample(seed, per_source, multi_turn, code_tasks)
     held_out = {_key(s) for s in dev}
-    return PromptSet(train=[s for s in sample if _key(s) not in held_out], dev=dev)
+    train = [s for s in sample if _key(s) not in held_out]
+    if agent_loops:
+        train += select_agent_loops(random.Random(seed), agent_loops, held_out_turns=_turns_of(dev))
+    return PromptSet(train=train, dev=dev)
+
+
+def select_agent_loops(rng: random.Random, count: int, held_out_turns: set[str] = frozenset()) -> list[PromptSample]:
+    """`count` distinct BFCL conversations of up to MAX_AGENT_TURNS user turns each, none
+    sharing a turn with the agentic benchmark's pool or with `held_out_turns`."""
+    data = bfcl_data_dir()
+    held_out = set(held_out_turns) | {text for row in agent_eval_rows() for text in _user_turns(row)}
+    loops, seen = [], set()
+    for name in BFCL_AGENT_LOOPS:
+        for sample in _bfcl_multi_turn(data, name, MAX_AGENT_TURNS):
+            if _key(sample) not in seen and not held_out & _turns_of([sample]):
+                seen.add(_key(sample))
+                loops.append(replace(sample, kind="agent_loop"))
+    if count > len(loops):
+        log.warning("asked for %d agent loops; only %d share no turn with the benchmark's pool or the dev split",
+                    count, len(loops))
+    return rng.sample(loops, min(count, len(loops)))
+
+
+def agent_eval_rows(seed: int = 0) -> list[dict]:
+    """The agentic benchmark's conversations, in the order it takes them (`AGENT_EVAL_POOL`)."""
+    rows = _read_jsonl(bfcl_data_dir() / f"{AGENT_EVAL_FILE}.json")
+    return random.Random(seed).sample(rows, AGENT_EVAL_POOL)
+
+
+def tool_turn(text: str) -> dict:
+    """The user message of a replayed loop's later turn: the tool's result, then the next request."""
+    return {"role": "user", "content": f"Tool result: {TOOL_RESULT}\n\n{text}"}
+
+
+def _user_turns(row: dict) -> list[str]:
+    return [t[0]["content"] for t in row["question"] if t]
+
+
+def _turns_of(samples: list[PromptSample]) -> set[str]:
+    """The user turns of `samples` (the first turn is the last message of a sample's chat)."""
+    return {text for s in samples for text in (s.messages[-1]["content"], *s.later_turns)}
 
 
 def _sample(seed: int, per_source: int, multi_turn: int, code_tasks: int | None) -> list[PromptSample]:
@@ -175,16 +231,17 @@ def _bfcl_single_turn(path: Path) -> list[PromptSample]:
     return out
 
 
-def _bfcl_multi_turn(data: Path) -> list[PromptSample]:
+def _bfcl_multi_turn(data: Path, name: str = BFCL_MULTI_TURN, max_turns: int = 3) -> list[PromptSample]:
+    """Conversations of `name` with their first `max_turns` user turns, under their classes' schemas."""
     docs = {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
     out = []
-    for row in _read_jsonl(data / f"{BFCL_MULTI_TURN}.json"):
+    for row in _read_jsonl(data / f"{name}.json"):
         functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
-        turns = [t[0]["content"] for t in row["question"] if t]
+        turns = _user_turns(row)
         if not functions or len(turns) < 2:
             continue
         first = [_tool_system(functions), {"role": "user", "content": turns[0]}]
-        out.append(PromptSample(row["id"], "multi_turn", first, later_turns=turns[1:3]))
+        out.append(PromptSample(row["id"], "multi_turn", first, later_turns=turns[1:max_turns]))
     return out
 
 
