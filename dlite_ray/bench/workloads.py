@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import random
 import sysconfig
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from dlite_ray.training.prompts import (
     bfcl_data_dir,
     build_prompt_set,
 )
+
+log = logging.getLogger(__name__)
 
 WORKLOADS = ("dev", "chat", "code", "tool-use", "agentic", "long-context", "structured", "forced-tools")
 HELD_OUT_CHAT = [
@@ -104,7 +107,8 @@ def _agentic(limit: int, seed: int) -> list[Item]:
             items.append(Item(row["id"], [_tool_system(functions), {"role": "user", "content": turns[0]}],
                               later_turns=turns[1:3], tag="turn-1"))
         if len(items) == limit:
-            break
+            return items
+    log.warning("the agentic workload holds %d conversations; asked for %d", len(items), limit)
     return items
 
 

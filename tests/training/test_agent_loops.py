@@ -25,11 +25,12 @@ def test_agent_loops_share_no_turn_with_the_benchmark_or_the_dev_split():
     assert _benchmark_turns() & prompts._turns_of(unfiltered)  # the training files do repeat the benchmark's turns
 
 
-def test_the_agentic_benchmark_draws_from_the_held_out_pool():
+def test_the_agentic_benchmark_draws_from_the_held_out_pool(caplog):
     items = load_workload("agentic", 7)
     assert len(items) == 7
     asked = {text for item in items for text in (item.messages[-1]["content"], *item.later_turns)}
     assert asked <= _benchmark_turns()
+    assert len(load_workload("agentic", 50)) < 50 and "holds" in caplog.text  # the pool's end is said
 
 
 class _MessageEngine:
