@@ -28,6 +28,7 @@ from dlite_ray.training.prompts import (
     _bfcl_single_turn,
     _read_jsonl,
     _tool_system,
+    _user_turns,
     agent_eval_rows,
     bfcl_data_dir,
     build_prompt_set,
@@ -102,7 +103,7 @@ def _agentic(limit: int, seed: int) -> list[Item]:
     items = []
     for row in agent_eval_rows(seed):
         functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
-        turns = [t[0]["content"] for t in row["question"] if t]
+        turns = _user_turns(row)
         if functions and len(turns) >= 3:
             items.append(Item(row["id"], [_tool_system(functions), {"role": "user", "content": turns[0]}],
                               later_turns=turns[1:3], tag="turn-1"))

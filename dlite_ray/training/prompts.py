@@ -122,7 +122,7 @@ def build_prompt_set(seed: int = 0, per_source: int = BASE_PER_SOURCE, dev_fract
     """The dev split is always `dev_fraction` of the base set (the seed's sample at the
     default sizes), whatever sizes are asked for: drafts trained on larger sets are measured
     on the same held-out prompts, and no set trains on them. The train split is the asked-for
-    sample minus those prompts, plus `agent_loops` whole conversations (`agent_loops`)."""
+    sample minus those prompts, plus `agent_loops` whole BFCL conversations (`select_agent_loops`)."""
     base = _sample(seed, BASE_PER_SOURCE, BASE_MULTI_TURN, None)
     dev = base[:max(4, int(len(base) * dev_fraction))]
     is_base = (per_source, multi_turn, code_tasks) == (BASE_PER_SOURCE, BASE_MULTI_TURN, None)
