@@ -136,8 +136,7 @@ def expand(items: list[Item], ar: DLiteEngine, max_new_tokens: int) -> list[Benc
         messages = list(item.messages or [])
         for turn, text in enumerate(item.later_turns, start=2):
             reply = ar.generate(ar.encode(messages), max_new_tokens=max_new_tokens)[0]
-            messages += [{"role": "assistant", "content": reply.text},
-                         tool_turn(text)]
+            messages += [{"role": "assistant", "content": reply.text}, tool_turn(text)]
             ids = ar.encode(messages)
             if len(ids) + max_new_tokens >= ar.runner.max_context:
                 break
