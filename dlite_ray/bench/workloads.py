@@ -24,14 +24,12 @@ from pathlib import Path
 
 from dlite_ray.bench.constrained import forced_tool_requests, structured_requests
 from dlite_ray.training.prompts import (
-    CLASS_DOCS,
     _bfcl_single_turn,
-    _read_jsonl,
-    _tool_system,
-    _user_turns,
     agent_eval_rows,
+    bfcl_conversation,
     bfcl_data_dir,
     build_prompt_set,
+    class_docs,
 )
 
 log = logging.getLogger(__name__)
@@ -98,15 +96,13 @@ def _from_json(row: dict) -> Item:
 
 def _agentic(limit: int, seed: int) -> list[Item]:
     """Conversations of at least 3 turns from the pool that no training set shares a turn with."""
-    data = bfcl_data_dir()
-    docs = {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
+    docs = class_docs(bfcl_data_dir())
     items = []
     for row in agent_eval_rows(seed):
-        functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
-        turns = _user_turns(row)
-        if functions and len(turns) >= 3:
-            items.append(Item(row["id"], [_tool_system(functions), {"role": "user", "content": turns[0]}],
-                              later_turns=turns[1:3], tag="turn-1"))
+        conversation = bfcl_conversation(row, docs, max_turns=3)
+        if conversation is not None and len(conversation.later_turns) == 2:
+            items.append(Item(conversation.id, conversation.messages, later_turns=conversation.later_turns,
+                              tag="turn-1"))
         if len(items) == limit:
             return items
     log.warning("the agentic workload holds %d conversations; asked for %d", len(items), limit)

@@ -70,25 +70,22 @@ def _answer_conversations(engine: DLiteEngine, samples: list[PromptSample], max_
     conversations at once (their replies join their histories, then a tool result and the next
     user turn), until a conversation runs out of turns or of context."""
     chats = [list(s.messages) for s in samples]
-    turns = [[None, *s.later_turns] for s in samples]
+    later = [s.later_turns for s in samples]
+    live = range(len(samples))  # conversations still answered: a stopped one never resumes
     out = []
-    for wave in range(max(map(len, turns))):
-        live, prompts = [], []
-        for chat, own in zip(chats, turns):
-            if wave >= len(own) or (wave and chat[-1]["role"] != "assistant"):  # done, or stopped earlier
-                continue
-            if own[wave] is not None:
-                chat.append(tool_turn(own[wave]))
-            prompt = engine.encode(chat)
-            if len(prompt) + max_new_tokens < engine.runner.max_context:
-                live.append(chat)
-                prompts.append(prompt)
-        if not prompts:
+    for wave in range(1 + max(map(len, later))):
+        live = [i for i in live if wave <= len(later[i])]
+        if wave:  # a later turn: the tool's result, then the next request
+            for i in live:
+                chats[i].append(tool_turn(later[i][wave - 1]))
+        prompts = {i: engine.encode(chats[i]) for i in live}
+        live = [i for i in live if len(prompts[i]) + max_new_tokens < engine.runner.max_context]
+        if not live:
             break
-        for chat, prompt, reply in zip(live, prompts, engine.generate(prompts, max_new_tokens=max_new_tokens,
-                                                                      trace_top_k=TOP_K)):
-            out.append(record_of(prompt, reply))
-            chat.append({"role": "assistant", "content": reply.text})
+        replies = engine.generate([prompts[i] for i in live], max_new_tokens=max_new_tokens, trace_top_k=TOP_K)
+        for i, reply in zip(live, replies):
+            out.append(record_of(prompts[i], reply))
+            chats[i].append({"role": "assistant", "content": reply.text})
     return out
 
 

@@ -142,8 +142,9 @@ def select_agent_loops(rng: random.Random, count: int, held_out_turns: set[str] 
     loops, seen = [], set()
     for name in BFCL_AGENT_LOOPS:
         for sample in _bfcl_multi_turn(data, name, MAX_AGENT_TURNS):
-            if _key(sample) not in seen and not held_out & _turns_of([sample]):
-                seen.add(_key(sample))
+            key = _key(sample)
+            if key not in seen and not held_out & _turns_of([sample]):
+                seen.add(key)
                 loops.append(replace(sample, kind="agent_loop"))
     if count > len(loops):
         log.warning("asked for %d agent loops; only %d share no turn with the benchmark's pool or the dev split",
@@ -233,16 +234,25 @@ def _bfcl_single_turn(path: Path) -> list[PromptSample]:
 
 def _bfcl_multi_turn(data: Path, name: str = BFCL_MULTI_TURN, max_turns: int = 3) -> list[PromptSample]:
     """Conversations of `name` with their first `max_turns` user turns, under their classes' schemas."""
-    docs = {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
-    out = []
-    for row in _read_jsonl(data / f"{name}.json"):
-        functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
-        turns = _user_turns(row)
-        if not functions or len(turns) < 2:
-            continue
-        first = [_tool_system(functions), {"role": "user", "content": turns[0]}]
-        out.append(PromptSample(row["id"], "multi_turn", first, later_turns=turns[1:max_turns]))
-    return out
+    docs = class_docs(data)
+    conversations = (bfcl_conversation(row, docs, max_turns) for row in _read_jsonl(data / f"{name}.json"))
+    return [c for c in conversations if c is not None]
+
+
+def class_docs(data: Path) -> dict[str, list[dict]]:
+    """The function schemas of each multi-turn class."""
+    return {cls: _read_jsonl(data / "multi_turn_func_doc" / f"{stem}.json") for cls, stem in CLASS_DOCS.items()}
+
+
+def bfcl_conversation(row: dict, docs: dict[str, list[dict]], max_turns: int) -> PromptSample | None:
+    """A multi-turn BFCL row as a chat under its classes' schemas with its first `max_turns`
+    user turns; None without schemas or a second turn."""
+    functions = [f for cls in row.get("involved_classes", []) for f in docs.get(cls, [])]
+    turns = _user_turns(row)
+    if not functions or len(turns) < 2:
+        return None
+    first = [_tool_system(functions), {"role": "user", "content": turns[0]}]
+    return PromptSample(row["id"], "multi_turn", first, later_turns=turns[1:max_turns])
 
 
 def stdlib_code_tasks(rng: random.Random, count: int) -> list[PromptSample]:
