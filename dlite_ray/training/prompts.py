@@ -122,15 +122,19 @@ def build_prompt_set(seed: int = 0, per_source: int = BASE_PER_SOURCE, dev_fract
     """The dev split is always `dev_fraction` of the base set (the seed's sample at the
     default sizes), whatever sizes are asked for: drafts trained on larger sets are measured
     on the same held-out prompts, and no set trains on them. The train split is the asked-for
-    sample minus those prompts, plus `agent_loops` whole BFCL conversations (`select_agent_loops`)."""
+    sample minus those prompts and any conversation sharing a turn with the agentic
+    benchmark's pool, plus `agent_loops` whole BFCL conversations (`select_agent_loops`)."""
     base = _sample(seed, BASE_PER_SOURCE, BASE_MULTI_TURN, None)
     dev = base[:max(4, int(len(base) * dev_fraction))]
     is_base = (per_source, multi_turn, code_tasks) == (BASE_PER_SOURCE, BASE_MULTI_TURN, None)
     sample = base if is_base else _sample(seed, per_source, multi_turn, code_tasks)
     held_out = {_key(s) for s in dev}
-    train = [s for s in sample if _key(s) not in held_out]
+    # multi_turn_long_context repeats multi_turn_base's conversations, and with the same tool
+    # result replayed their prompts are the same tokens: such a sample would train on the benchmark
+    benchmark = agent_eval_turns()
+    train = [s for s in sample if _key(s) not in held_out and not benchmark & turns_of([s])]
     if agent_loops:
-        train += select_agent_loops(random.Random(seed), agent_loops, held_out_turns=_turns_of(dev))
+        train += select_agent_loops(random.Random(seed), agent_loops, held_out_turns=turns_of(dev))
     return PromptSet(train=train, dev=dev)
 
 
@@ -138,12 +142,12 @@ def select_agent_loops(rng: random.Random, count: int, held_out_turns: set[str] 
     """`count` distinct BFCL conversations of up to MAX_AGENT_TURNS user turns each, none
     sharing a turn with the agentic benchmark's pool or with `held_out_turns`."""
     data = bfcl_data_dir()
-    held_out = set(held_out_turns) | {text for row in agent_eval_rows() for text in _user_turns(row)}
+    held_out = set(held_out_turns) | agent_eval_turns()
     loops, seen = [], set()
     for name in BFCL_AGENT_LOOPS:
         for sample in _bfcl_multi_turn(data, name, MAX_AGENT_TURNS):
             key = _key(sample)
-            if key not in seen and not held_out & _turns_of([sample]):
+            if key not in seen and not held_out & turns_of([sample]):
                 seen.add(key)
                 loops.append(replace(sample, kind="agent_loop"))
     if count > len(loops):
@@ -158,6 +162,11 @@ def agent_eval_rows(seed: int = 0) -> list[dict]:
     return random.Random(seed).sample(rows, AGENT_EVAL_POOL)
 
 
+def agent_eval_turns() -> set[str]:
+    """Every user turn of the agentic benchmark's pool: no training prompt may hold one."""
+    return {text for row in agent_eval_rows() for text in _user_turns(row)}
+
+
 def tool_turn(text: str) -> dict:
     """The user message of a replayed loop's later turn: the tool's result, then the next request."""
     return {"role": "user", "content": f"Tool result: {TOOL_RESULT}\n\n{text}"}
@@ -167,7 +176,7 @@ def _user_turns(row: dict) -> list[str]:
     return [t[0]["content"] for t in row["question"] if t]
 
 
-def _turns_of(samples: list[PromptSample]) -> set[str]:
+def turns_of(samples: list[PromptSample]) -> set[str]:
     """The user turns of `samples` (the first turn is the last message of a sample's chat)."""
     return {text for s in samples for text in (s.messages[-1]["content"], *s.later_turns)}
 

@@ -11,7 +11,7 @@ from dlite_ray.training.prompts import PromptSample, build_prompt_set, tool_turn
 
 
 def _benchmark_turns() -> set[str]:
-    return {text for row in prompts.agent_eval_rows() for text in prompts._user_turns(row)}
+    return prompts.agent_eval_turns()
 
 
 def test_agent_loops_share_no_turn_with_the_benchmark_or_the_dev_split():
@@ -19,10 +19,20 @@ def test_agent_loops_share_no_turn_with_the_benchmark_or_the_dev_split():
     loops = [s for s in prompt_set.train if s.kind == "agent_loop"]
     assert len(loops) == 60 and len({prompts._key(s) for s in loops}) == 60
     assert max(len(s.later_turns) for s in loops) == prompts.MAX_AGENT_TURNS - 1  # whole loops, not 3 turns
-    held_out = _benchmark_turns() | prompts._turns_of(prompt_set.dev)
-    assert not held_out & prompts._turns_of(loops)
+    held_out = _benchmark_turns() | prompts.turns_of(prompt_set.dev)
+    assert not held_out & prompts.turns_of(loops)
     unfiltered = prompts._bfcl_multi_turn(prompts.bfcl_data_dir(), prompts.BFCL_MULTI_TURN, prompts.MAX_AGENT_TURNS)
-    assert _benchmark_turns() & prompts._turns_of(unfiltered)  # the training files do repeat the benchmark's turns
+    assert _benchmark_turns() & prompts.turns_of(unfiltered)  # the training files do repeat the benchmark's turns
+
+
+def test_no_training_prompt_shares_a_turn_with_the_benchmark():
+    # The base set's three-turn conversations come from multi_turn_base, whose turns the
+    # benchmark's multi_turn_long_context repeats: before they were filtered, 3 of the
+    # benchmark's 19 conversations were training prompts token for token.
+    sampled = prompts._sample(0, prompts.BASE_PER_SOURCE, prompts.BASE_MULTI_TURN, None)
+    assert _benchmark_turns() & prompts.turns_of(sampled)  # the sample itself holds some
+    for prompt_set in (build_prompt_set(), build_prompt_set(per_source=120, multi_turn=24, agent_loops=20)):
+        assert not _benchmark_turns() & prompts.turns_of(prompt_set.train)
 
 
 def test_the_agentic_benchmark_draws_from_the_held_out_pool(caplog):
