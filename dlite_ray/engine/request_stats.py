@@ -25,7 +25,7 @@ class RequestStats:
     reply_rounds: list[bool] = field(default_factory=list)  # per round: copied from an earlier reply (reply_cache.py)
     branch_gains: list[int] = field(default_factory=list)  # per round: tokens kept beyond the main proposal (a tree)
     position_accepts: list[int] = field(default_factory=list)  # [k] DLite rounds whose draft k was accepted
-    position_trials: list[int] = field(default_factory=list)  # [k] DLite rounds that drafted position k
+    position_trials: list[int] = field(default_factory=list)  # [k] DLite rounds that reached drafted position k
     prefill_time: float = 0.0
     decode_wall_time: float = 0.0
     draft_time: float = 0.0

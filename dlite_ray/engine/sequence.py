@@ -132,7 +132,9 @@ class SequenceStats:
         while len(self.position_trials) < num_drafted:
             self.position_trials.append(0)
             self.position_accepts.append(0)
-        for k in range(num_drafted):
+        # the positions the round reached: the accepted ones and the first rejected, so that
+        # accepts / trials is P(position k accepted | reached), the paper's per-position figure
+        for k in range(min(num_drafted, main_accepted + 1)):
             self.position_trials[k] += 1
             self.position_accepts[k] += k < main_accepted
 

@@ -1,12 +1,12 @@
-"""What one engine step tells the policy: the prefill tokens beside the decodes, and
-nothing measured from a step whose draft call failed."""
+"""What one engine step records: the prefill tokens (beside the decodes) the policy is told,
+nothing measured from a step whose draft call failed, and the positions a round reached."""
 
 from __future__ import annotations
 
 import time
 
 from dlite_ray.engine.draft_transport import DraftUnavailable, InProcessDraftTransport
-from dlite_ray.engine.sequence import SamplingParams
+from dlite_ray.engine.sequence import SamplingParams, SequenceStats
 from tests.engine.conftest import make_engine
 
 
@@ -48,3 +48,12 @@ def test_a_failed_draft_call_decodes_plainly_and_measures_nothing(tiny_target, t
     assert all(a == 1 for a in out[0].stats.accept_lengths)
     # a step that spent its time on a failed call is not a plain step's rate
     assert not any(step[1] and max(step[1]) == 0 and step[3] >= FailingDraft.DELAY_S for step in measured)
+
+
+def test_per_position_acceptance_counts_the_positions_a_round_reached():
+    stats = SequenceStats()
+    stats.record_round(5, 2)  # positions 1 and 2 accepted, 3 rejected, 4 and 5 never reached
+    stats.record_round(3, 3)  # all three accepted
+    stats.record_round(4, 0, copied=True)  # copies are not the draft's
+    assert stats.position_trials == [2, 2, 2, 0, 0]
+    assert stats.position_accepts == [2, 2, 1, 0, 0]  # P(3 | reached) = 1/2, not 1/2 of rounds drafting 3
