@@ -1,5 +1,5 @@
 """dlite-ray: one entry point (generate, fetch-model, bench, bench-suite, bench-ablation, bench-runtime,
-bench-serve, bench-followup, loadtest, soak, train, draft-vocab, gpu-check)."""
+bench-serve, bench-followup, loadtest, soak, train, draft-vocab, reply-corpus, gpu-check)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "a comma list, each optionally with its own prompt count (agentic:2)")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, "
-                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-tree (with "
+                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-nocorpus (no copies "
+                            "from the draft's reply corpus), dlite-tree (with "
                             "tree verification: the draft's runners-up and other copies verified as branches), "
                             "dlite-fixed (full draft and copy length every round, no adaptive policy), lookup "
                             "(context lookup alone), llama.cpp and llama.cpp-bf16 "
@@ -146,11 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--out", default="runs/soak", help="the report goes to OUT/soak.json")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
-    from dlite_ray.training.cli_args import add_draft_vocab_args, add_train_args  # keeps --help fast
+    from dlite_ray.training.cli_args import (  # keeps --help fast
+        add_draft_vocab_args,
+        add_reply_corpus_args,
+        add_train_args,
+    )
 
     add_train_args(tr)
     dv = sub.add_parser("draft-vocab", help="limit a draft to the tokens its training data says most often")
     add_draft_vocab_args(dv)
+    rc = sub.add_parser("reply-corpus", help="ship the target's training replies with a draft, to copy from")
+    add_reply_corpus_args(rc)
 
     gc = sub.add_parser("gpu-check", help="prove the GPU path on a device (random Qwen3-8B-shaped target, no Ray)")
     gc.add_argument("--out", default="gpu-check.json", help="the JSON report (rewritten after every section)")
@@ -304,6 +311,21 @@ def cmd_draft_vocab(args) -> int:
     return 0
 
 
+def cmd_reply_corpus(args) -> int:
+    from dlite_ray.engine.engine_config import EngineConfig
+    from dlite_ray.engine.loading import load_tokenizer, target_path
+    from dlite_ray.training.data import load_records
+    from dlite_ray.training.pipeline import held_out_records, write_reply_corpus
+
+    try:  # one record file in memory at a time
+        tokenizer = load_tokenizer(target_path(EngineConfig(target=args.target, draft=None)))
+        write_reply_corpus([args.draft], held_out_records((r for f in args.data for r in load_records(f)), tokenizer))
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_gpu_check(args) -> int:
     from pathlib import Path
 
@@ -326,7 +348,7 @@ COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-run
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup,
             "bench-suite": cmd_bench_suite, "bench-ablation": cmd_bench_ablation, "loadtest": cmd_loadtest,
             "soak": cmd_soak, "train": cmd_train,
-            "draft-vocab": cmd_draft_vocab, "gpu-check": cmd_gpu_check}
+            "draft-vocab": cmd_draft_vocab, "reply-corpus": cmd_reply_corpus, "gpu-check": cmd_gpu_check}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,12 +30,13 @@ from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.engine_config import resolve_dtype
 from dlite_ray.engine.loading import default_draft_dir, load_draft
+from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.runtime.model_store import default_gguf_path
 from dlite_ray.training.prompts import tool_turn
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
-               "dlite-nolookup", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
+               "dlite-nolookup", "dlite-nocorpus", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
 CONCURRENCY_MAX_PROMPT = 1024  # prompt tokens of the requests the concurrency sweep sends
 
 
@@ -89,7 +90,8 @@ def measure_all(args) -> dict:
             raise SystemExit(f"--concurrency needs requests of at most {CONCURRENCY_MAX_PROMPT} prompt tokens "
                              "without a grammar: add a workload such as chat, code or tool-use")
         lookup = dlite.lookup_tokens
-        engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=n, enable_prefix_cache=False)
+        engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=n, enable_prefix_cache=False,
+                                     corpus=dlite.corpus)
                    for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
         results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
         results["concurrency_max_prompt"] = CONCURRENCY_MAX_PROMPT
@@ -107,7 +109,7 @@ def measure_turns_in_flight(dlite: DLiteEngine, prompts: dict[str, list[BenchReq
     turns = [r.ids for r in prompts.get("agentic", [])]
     if not turns:
         raise SystemExit("--turns-in-flight needs the agentic workload")
-    engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=lookup)
+    engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=lookup, corpus=dlite.corpus)
                for name, draft, lookup in (("dlite", dlite.draft, dlite.lookup_tokens), ("ar", None, 0))}
     out = measure_concurrency(engines, turns, [n], max_new_tokens, repeats, warm_prompts=True)[str(n)]
     out["prompt_tokens"] = sorted(len(turns[i % len(turns)]) for i in range(n))  # the batch cycles the turns
@@ -148,6 +150,7 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
     methods: dict = {}
     hf = hf_target(args.target, args.dtype) if any(n in HF_METHODS for n in names) else None
     lookup = dlite.lookup_tokens  # context lookup as in `dlite`, unless the method is about it
+    corpus = dlite.corpus  # the reply corpus too
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
@@ -155,19 +158,25 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             draft_b = default_draft_dir() if args.draft_b == "default" else args.draft_b
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer,
                                                            load_draft(draft_b, dlite.target, args.dtype),
-                                                           lookup_tokens=lookup))
+                                                           lookup_tokens=lookup, corpus=ReplyCorpus.load(draft_b)))
         elif name == "dlite-nocache":  # the same draft, no prefix cache / stored boundaries
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
-                                                           lookup_tokens=lookup, enable_prefix_cache=False))
+                                                           lookup_tokens=lookup, enable_prefix_cache=False,
+                                                           corpus=corpus))
         elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=0))
+        elif name == "dlite-nocorpus":  # copies from the context, none from the draft's reply corpus
+            methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
+                                                           lookup_tokens=lookup))
         elif name == "dlite-tree":  # with tree verification: the draft's runners-up and other copies as branches
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
-                                                           lookup_tokens=lookup, tree_tokens=TREE_TOKENS))
+                                                           lookup_tokens=lookup, tree_tokens=TREE_TOKENS,
+                                                           corpus=corpus))
         elif name == "dlite-fixed":  # the same draft at its full length every round: no adaptive policy
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
-                                                           lookup_tokens=lookup, adaptive_draft_length=False))
+                                                           lookup_tokens=lookup, adaptive_draft_length=False,
+                                                           corpus=corpus))
         elif name == "lookup":  # tokens copied from the context alone: no DLite draft
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, None,
                                                            lookup_tokens=lookup or DEFAULT_LOOKUP_TOKENS))

@@ -44,6 +44,7 @@ class EngineLoad:
     held_leases: int
     reply_cache_tokens: int = 0  # tokens of earlier replies held for copying (reply_cache.py)
     reply_cache_replies: int = 0
+    reply_corpus_tokens: int = 0  # tokens of the draft's reply corpus copied from (reply_corpus.py; fixed)
 
 
 class AsyncEngine:
@@ -87,11 +88,12 @@ class AsyncEngine:
                 self._inbox.put(("abort", seq_holder[0].request_id))
 
     def stats(self) -> EngineLoad:
-        scheduler, replies = self.engine.scheduler, self.engine.reply_cache
+        scheduler, replies, corpus = self.engine.scheduler, self.engine.reply_cache, self.engine.corpus
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.num_used_blocks,
                           scheduler.blocks.num_blocks, len(self.held_leases),
                           replies.size_tokens if replies is not None else 0,
-                          replies.num_replies if replies is not None else 0)
+                          replies.num_replies if replies is not None else 0,
+                          corpus.num_tokens if corpus is not None else 0)
 
     def is_alive(self) -> bool:
         """Whether the engine loop thread still runs."""

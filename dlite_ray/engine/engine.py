@@ -12,11 +12,12 @@ from dlite_ray.engine.boundary_store import BoundaryStore
 from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftTransport
 from dlite_ray.engine.engine_config import DTYPES, EngineConfig, normed_last_tap, tap_layers, verify_lengths
-from dlite_ray.engine.loading import DraftFactory, default_draft_dir, load_draft, load_parts
+from dlite_ray.engine.loading import DraftFactory, default_draft_dir, load_corpus, load_draft, load_parts
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.engine.prompts import Messages, Prompt, PromptEncoder, is_batch
 from dlite_ray.engine.reply_cache import ReplyCache
+from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.engine.scheduler import KVReuse, Scheduler
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams, Sequence
@@ -58,10 +59,11 @@ class DLiteEngine:
     drive it one ragged forward at a time (the server's API); `generate` runs a batch."""
 
     def __init__(self, target: TargetModel, tokenizer, draft: DraftTransport | None,
-                 config: EngineConfig | None = None, **knobs):
+                 config: EngineConfig | None = None, corpus: ReplyCorpus | None = None, **knobs):
         """The low-level constructor, on a loaded target (`from_config` loads one): `config`,
         or its fields as keywords (num_draft_tokens, max_kv_tokens, scheduler, tap_layers,
-        ...; its target / draft / device / dtype only matter to `from_config`)."""
+        ...; its target / draft / device / dtype only matter to `from_config`); `corpus`: the
+        draft's reply corpus, copied from where config.reply_corpus (and copying) is on."""
         cfg = config if config is not None else EngineConfig(**knobs)
         self.config = cfg
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
@@ -75,9 +77,11 @@ class DLiteEngine:
         # earlier replies are copied within the lookup's limit: none where copying is off
         self.reply_cache = (ReplyCache(cfg.reply_cache_tokens, DEFAULT_REPLY_CACHE_NAMESPACES)
                             if cfg.reply_cache_tokens and lookup_tokens else None)
+        self.corpus = corpus if cfg.reply_corpus and lookup_tokens else None
         tree_tokens = cfg.tree_tokens if lookup_tokens else 0  # branches are copies from the context
         lookup = ContextLookup(lookup_tokens, alternatives=bool(tree_tokens))
-        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, lookup, self.reply_cache, tree_tokens)
+        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, lookup, self.reply_cache, tree_tokens,
+                                   self.corpus)
         blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_cache)
         reuse = KVReuse(target.fingerprint(), draft.info.fingerprint if draft else "none",
                         resume_boundaries=draft is not None, recompute_pivot=draft is not None and bool(taps))
@@ -90,7 +94,8 @@ class DLiteEngine:
     def from_config(cls, config: EngineConfig, make_draft: DraftFactory | None = None) -> DLiteEngine:
         """Load the target, its tokenizer and the draft `config` names and build the engine;
         `make_draft` makes the draft's transport (default: the draft in this process)."""
-        return cls(*load_parts(config, make_draft), config)
+        target, tokenizer, draft = load_parts(config, make_draft)
+        return cls(target, tokenizer, draft, config, corpus=load_corpus(config))
 
     @classmethod
     def from_pretrained(cls, target: str | Path | None = None, draft: str | Path | None = "default",

@@ -65,6 +65,9 @@ class EngineConfig:
     context per round (None: 15 with a draft, 0 without, so no draft is plain decoding);
     reply_cache_tokens: tokens of earlier replies kept per namespace and copied where the
     context has no match (engine/reply_cache.py; 0 = off; copies only where lookup_tokens > 0);
+    reply_corpus: copy from the target's own replies that trained the draft, shipped in the
+    draft's directory, where neither the context nor the reply cache has a match
+    (engine/reply_corpus.py; only where lookup_tokens > 0 and the draft ships one);
     tree_tokens: tokens of other branches (the draft's runners-up, other continuations from
     the context) verified next to a round's main proposal, as a tree (engine/candidate_tree.py;
     0 = off, the default; only where lookup_tokens > 0);
@@ -81,6 +84,7 @@ class EngineConfig:
     adaptive_draft_length: bool = True
     lookup_tokens: int | None = None
     reply_cache_tokens: int = DEFAULT_REPLY_CACHE_TOKENS
+    reply_corpus: bool = True
     tree_tokens: int = DEFAULT_TREE_TOKENS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
     block_size: int = KV_BLOCK_SIZE

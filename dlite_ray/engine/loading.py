@@ -14,6 +14,7 @@ from typing import Protocol
 
 from dlite_ray.engine.draft_transport import DraftInfo, DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.engine_config import EngineConfig, torch_dtype
+from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.loading import checkpoint_fingerprint, load_target
@@ -73,6 +74,15 @@ def draft_info(path: Path) -> DraftInfo:
     """A draft's conventions (K, its taps, last tap normed or not) without loading its weights."""
     cfg = DraftConfig.from_dict(json.loads((path / "config.json").read_text()))
     return DraftInfo.of(checkpoint_fingerprint(path), cfg)
+
+
+def load_corpus(config: EngineConfig) -> ReplyCorpus | None:
+    """The reply corpus shipped with the config's draft, where it ships one and the config copies from it."""
+    path = draft_path(config) if config.reply_corpus else None
+    corpus = ReplyCorpus.load(path) if path is not None else None
+    if corpus is not None:
+        log.info("reply corpus: %d tokens of the target's replies (%s)", corpus.num_tokens, path)
+    return corpus
 
 
 def load_parts(config: EngineConfig, make_draft: DraftFactory | None = None):

@@ -3,7 +3,8 @@
 
 Per step: rows whose grammar forces their next tokens propose those, and rows whose last
 tokens occurred earlier in their context copy what followed there (`context_lookup.py`),
-else in an earlier reply of their namespace (`reply_cache.py`); the others draft K_i
+else in an earlier reply of their namespace (`reply_cache.py`), else in the target's own
+replies that trained the draft (`reply_corpus.py`); the others draft K_i
 tokens in one draft call. Where the policy finds it pays, other continuations from the
 context branch off that main proposal as a tree (`candidate_tree.py`). Then prefill
 chunks and [anchor, d_1..d_K_i] verify rows (or trees) run in one ragged target forward;
@@ -29,6 +30,7 @@ from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, Draft
 from dlite_ray.engine.logprobs import token_logprobs
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
 from dlite_ray.engine.reply_cache import ReplyCache
+from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.speculation_policy import SpeculationPolicy
@@ -55,7 +57,7 @@ class RoundProposal:
 
     tokens: list[list[int]]  # copied or drafted; [] decodes plainly
     copied: list[bool]
-    from_reply: list[bool]  # copied from an earlier reply (reply_cache.py), not the context
+    from_reply: list[bool]  # copied from an earlier reply (reply_cache.py, reply_corpus.py), not the context
     drafted: list[int]  # tokens drafted per row (0 where copied, plain, or the draft call failed)
     q_probs: dict[int, torch.Tensor] | None  # the draft distributions of sampled rows, by row
     draft_time: float
@@ -73,13 +75,15 @@ class SpecDecoder:
 
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
                  policy: SpeculationPolicy, lookup: ContextLookup | None = None, replies: ReplyCache | None = None,
-                 tree_tokens: int = 0):
-        """lookup: copies from each row's context; replies: earlier replies, copied where the
-        context has no match (both within lookup.max_tokens per round); tree_tokens: at most
-        this many tokens of other continuations verified next to a row's main proposal."""
+                 tree_tokens: int = 0, corpus: ReplyCorpus | None = None):
+        """lookup: copies from each row's context; replies: earlier replies of the row's
+        namespace, copied where the context has no match, and corpus: the target's replies
+        that trained the draft, where neither has one (all within lookup.max_tokens per round);
+        tree_tokens: at most this many tokens of other continuations verified next to a row's
+        main proposal."""
         self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
         self.lookup = lookup or ContextLookup(0)
-        self.replies = replies
+        self.replies, self.corpus = replies, corpus
         self.tree_tokens = tree_tokens if runner.verifies_trees else 0
 
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
@@ -201,19 +205,27 @@ class SpecDecoder:
     def _copy(self, seq: Sequence) -> tuple[list[int], bool, bool]:
         """Tokens to verify without drafting, whether an earlier reply gave them and whether
         the grammar forces them: what the request's grammar forces next, else what followed
-        its last tokens earlier in its context, else in an earlier reply of its namespace
-        (all only where copying is on)."""
+        its last tokens earlier in its context, else in an earlier reply (all only where
+        copying is on)."""
         limit = min(self._room(seq), self.lookup.max_tokens)
         forced = seq.grammar.forced_tokens(limit) if seq.grammar else []
         if forced:
             return forced, False, True
         copied = self.lookup.propose(seq, limit)
-        if copied or self.replies is None:
+        if copied:
             return copied, False, False
-        copied = self.replies.propose(seq.namespace, seq.token_ids, limit)
+        copied = self._from_replies(seq, limit)
         if copied and not self.policy.copies_from_replies(seq, can_draft=self._max_draft(seq) > 0):
             return [], False, False  # such copies have passed less often than this row's drafts
-        return copied, True, False
+        return copied, bool(copied), False
+
+    def _from_replies(self, seq: Sequence, limit: int) -> list[int]:
+        """What followed the row's last tokens in an earlier reply of its namespace, else in
+        the corpus of the target's replies; [] where neither holds them (or neither is on)."""
+        copied = self.replies.propose(seq.namespace, seq.token_ids, limit) if self.replies is not None else []
+        if not copied and self.corpus is not None:
+            copied = self.corpus.propose(seq.token_ids, limit)
+        return copied
 
     def _room(self, seq: Sequence) -> int:
         """The most tokens a round can verify after the anchor: within the output budget and the context."""

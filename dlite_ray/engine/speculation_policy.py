@@ -26,10 +26,12 @@ a verify token is nearly free and whole copies pass; in a compute-bound batch co
 keep failing are cut short, and tried again once that evidence has faded; and where the
 measured steps say speculating does not pay at this batch size, nothing is copied.
 
-Copies from earlier replies (`reply_cache.py`) match across unrelated requests and pass
-less often than copies from a request's own context; their acceptance is tracked
-engine-wide on its own, sizes their allocation, and decides whether such a copy may take
-a round from the draft at all (`copies_from_replies`).
+Copies from earlier replies (`reply_cache.py`, `reply_corpus.py`) match across unrelated
+requests and pass less often than copies from a request's own context; their acceptance is
+tracked per request over an engine-wide prior, sizes their allocation, and decides whether
+such a copy may take a round from the draft at all (`copies_from_replies`): per request,
+because they pass well on some replies (a tool call's JSON) and badly on others (a
+conversation whose drafts pass).
 
 Other branches verified next to a round's main proposal (a tree, `candidate_tree.py`:
 the draft's runners-up, other copies) cost forward time only. What their tokens kept beyond
@@ -87,6 +89,7 @@ class SpeculationPolicy:
         self._copy_accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
         self._copy_global = [0.6, 1.0]  # the same for copied tokens
         self._reply = [0.0, 0.0]  # decayed (accepted, examined) of tokens copied from earlier replies
+        self._reply_accept: weakref.WeakKeyDictionary[Sequence, list[float]] = weakref.WeakKeyDictionary()
         # decayed (accepted, reached) per drafted position over all requests
         self._positions = [[0.0, 0.0] for _ in range(max_draft_tokens)]
         self._branches = [0.0, 0.0]  # decayed (tokens kept beyond the main proposal, branch tokens verified)
@@ -100,17 +103,24 @@ class SpeculationPolicy:
         return _rate(self._copy_accept.get(seq, (0.0, 0.0)), self._copy_global, self.PRIOR_FLOOR,
                      self.PRIOR_WEIGHT)
 
-    def reply_alpha(self) -> float:
-        """How often tokens copied from earlier replies pass, over a prior of the context copies' rate."""
-        return _rate(self._reply, self._copy_global, self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
+    def reply_alpha(self, seq: Sequence | None = None) -> float:
+        """How often tokens copied from earlier replies pass: engine-wide, over a prior of the
+        context copies' rate; for `seq`, its own, over a prior of the engine-wide rate."""
+        engine = _rate(self._reply, self._copy_global, self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
+        if seq is None:
+            return engine
+        return _rate(self._reply_accept.get(seq, (0.0, 0.0)), [engine, 1.0], self.PRIOR_FLOOR, self.PRIOR_WEIGHT)
 
     def copies_from_replies(self, seq: Sequence, can_draft: bool) -> bool:
         """Whether a copy from an earlier reply may take this row's round: always where the row
-        cannot draft, else while such copies pass at least as often as the row's drafts. A
-        refusal lets the evidence against them fade, so they are retried after a while."""
-        if not self.adaptive or not can_draft or self.reply_alpha() >= self.alpha(seq):
+        cannot draft, else while such copies pass at least as often as the row's drafts (for
+        this row). A refusal lets the evidence against them fade, so they are retried after a
+        while."""
+        if not self.adaptive or not can_draft or self.reply_alpha(seq) >= self.alpha(seq):
             return True
         self._reply = [x * self.REPLY_RETRY_DECAY for x in self._reply]
+        if seq in self._reply_accept:
+            self._reply_accept[seq] = [x * self.REPLY_RETRY_DECAY for x in self._reply_accept[seq]]
         return False
 
     def branch_value(self) -> float:
@@ -228,8 +238,8 @@ class SpeculationPolicy:
 
     def _copy_gains(self, seq: Sequence, cap: int, from_reply: bool = False) -> list[float]:
         """Expected tokens that copied positions 1..cap add: the row's copy acceptance (the
-        engine's, for copies from earlier replies), flat."""
-        alpha = min(self.MAX_ACCEPT, self.reply_alpha() if from_reply else self.copy_alpha(seq))
+        row's rate of copies from earlier replies, for those), flat."""
+        alpha = min(self.MAX_ACCEPT, self.reply_alpha(seq) if from_reply else self.copy_alpha(seq))
         return [alpha ** j for j in range(1, cap + 1)]
 
     def observe_step(self, batch: int, ks: list[int], tokens: int, seconds: float) -> None:
@@ -252,7 +262,10 @@ class SpeculationPolicy:
         if k == 0:
             return
         examined = min(accepted + 1, k)  # positions examined up to the first rejection
-        if from_reply:  # engine-wide, apart from the row's context copies
+        if from_reply:  # apart from the row's context copies: its own and engine-wide
+            own = self._reply_accept.setdefault(seq, [0.0, 0.0])
+            own[0] += accepted
+            own[1] += examined
             self._reply = [self._reply[0] * self.GLOBAL_DECAY + accepted, self._reply[1] * self.GLOBAL_DECAY + examined]
             return
         stats = (self._copy_accept if copied else self._accept).setdefault(seq, [0.0, 0.0])

@@ -18,7 +18,8 @@ def engine_config(args: EngineArgs) -> EngineConfig:
     return EngineConfig(target=args.target or None, draft=args.draft, device=args.device, dtype=args.dtype,
                         attention_backend=args.attention_backend, num_draft_tokens=args.num_draft_tokens,
                         adaptive_draft_length=args.adaptive_draft_length, lookup_tokens=args.lookup_tokens,
-                        reply_cache_tokens=args.reply_cache_tokens, tree_tokens=args.tree_tokens,
+                        reply_cache_tokens=args.reply_cache_tokens, reply_corpus=args.reply_corpus,
+                        tree_tokens=args.tree_tokens,
                         max_kv_tokens=args.max_kv_tokens)
 
 

@@ -31,6 +31,8 @@ class Metrics:
         self.reply_cache_tokens = Gauge("dlite_reply_cache_tokens",
                                         "tokens of earlier replies held for copying (every tenant)", registry=r)
         self.reply_cache_replies = Gauge("dlite_reply_cache_replies", "earlier replies held for copying", registry=r)
+        self.reply_corpus_tokens = Gauge("dlite_reply_corpus_tokens",
+                                         "tokens of the draft's reply corpus copied from (0: none or off)", registry=r)
 
     def finished(self, stats: RequestStats | None, latency: float) -> None:
         self.requests.inc()
@@ -57,6 +59,7 @@ class Metrics:
         self.draft_restarts.set(stats.draft_restarts)
         self.reply_cache_tokens.set(stats.reply_cache_tokens)
         self.reply_cache_replies.set(stats.reply_cache_replies)
+        self.reply_corpus_tokens.set(stats.reply_corpus_tokens)
 
     def snapshot(self) -> dict:
         return {"requests": self.requests._value.get(), "tokens": self.tokens._value.get()}

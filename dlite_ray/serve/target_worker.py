@@ -87,7 +87,7 @@ class TargetWorker:
         return WorkerStats(replica=self.replica_id, running=load.running, waiting=load.waiting,
                            kv_blocks_used=load.kv_blocks_used, kv_blocks_total=load.kv_blocks_total,
                            held_leases=load.held_leases, reply_cache_tokens=load.reply_cache_tokens,
-                           reply_cache_replies=load.reply_cache_replies,
+                           reply_cache_replies=load.reply_cache_replies, reply_corpus_tokens=load.reply_corpus_tokens,
                            draft_connected=bool(getattr(draft, "connected", draft is not None)),
                            draft_restarts=getattr(draft, "restarts", 0),
                            draft_comm_time_s=getattr(draft, "comm_time", 0.0),

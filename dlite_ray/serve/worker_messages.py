@@ -57,3 +57,4 @@ class WorkerStats:
     draft_cpu_threads: int | None = None  # a draft in its own actor
     reply_cache_tokens: int = 0  # tokens of earlier replies the engine holds for copying
     reply_cache_replies: int = 0
+    reply_corpus_tokens: int = 0  # tokens of the draft's reply corpus (fixed; 0: none or off)

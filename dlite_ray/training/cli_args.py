@@ -54,6 +54,14 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def add_reply_corpus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("draft", help="draft checkpoint directory to write reply_corpus.safetensors into")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                   help="record files of `dlite-ray train` (data_train.pt, data_extra.pt; not data_dev.pt, "
+                        "which measures the draft on prompts it has not seen)")
+    p.add_argument("--target", default=None, help="the target whose tokenizer reads the records (default: embedded)")
+
+
 def add_draft_vocab_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("draft", help="draft checkpoint directory to write draft_vocab.safetensors into")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE",

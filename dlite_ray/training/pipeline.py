@@ -11,7 +11,7 @@ import json
 import logging
 import resource
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,18 +19,20 @@ import torch
 from safetensors.torch import load_file
 
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.reply_corpus import PROMPT_TAIL_TOKENS, save_reply_corpus
 from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.draft_config import DLITE_RAY_CONVENTIONS, DraftConfig, DraftConventions
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, frequent_tokens, load_draft_vocab, save_draft_vocab
 from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import Record, answer_prompts, dataset_bytes, label_counts, load_records, save_records
-from dlite_ray.training.prompts import build_prompt_set
+from dlite_ray.training.prompts import agent_eval_turns, build_prompt_set, turns_of
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
 from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
 from dlite_ray.training.vocabulary import Vocab, vocab_of
 
 log = logging.getLogger(__name__)
+MIN_HELD_OUT_CHARS = 20  # shorter user turns ("Hi") say nothing about where a prompt came from
 
 
 def new_draft(engine: DLiteEngine, layers: int, slots: int, rank: int, block_size: int, seed: int,
@@ -204,6 +206,39 @@ def write_draft_vocab(directories: list[str | Path], records: Iterable[Record], 
     save_draft_vocab_next_to(directories, ids)
 
 
+def corpus_replies(records: Iterable[Record]) -> list[list[int]]:
+    """Each record's reply after the last tokens of its prompt (how replies begin), once."""
+    replies = {tuple(r.tokens[max(0, r.start + 1 - PROMPT_TAIL_TOKENS):].tolist()): None for r in records}
+    return [list(reply) for reply in replies]
+
+
+def write_reply_corpus(directories: list[str | Path], records: Iterable[Record]) -> None:
+    """The target's replies in `records`, written next to each copy of a draft
+    (`engine/reply_corpus.py`): what the engine copies from where a context has no match."""
+    for directory in directories:
+        if not (Path(directory) / "config.json").exists():
+            raise ValueError(f"{directory} is not a draft checkpoint (no config.json)")
+    replies = corpus_replies(records)
+    for directory in directories:
+        save_reply_corpus(directory, replies)
+    log.info("%s: a reply corpus of %d replies, %d tokens", ", ".join(map(str, directories)), len(replies),
+             sum(map(len, replies)))
+
+
+def held_out_records(records: Iterable[Record], tokenizer) -> Iterator[Record]:
+    """`records` but those whose prompt holds a user turn of the dev split or of the agentic
+    benchmark (data runs made before the benchmark's pool was held out hold some)."""
+    held_out = {t for t in agent_eval_turns() | turns_of(build_prompt_set().dev) if len(t) >= MIN_HELD_OUT_CHARS}
+    dropped = 0
+    for record in records:
+        prompt = tokenizer.decode(record.tokens[:record.start + 1].tolist())
+        if any(text in prompt for text in held_out):
+            dropped += 1
+            continue
+        yield record
+    log.info("left out %d records whose prompts hold a held-out turn", dropped)
+
+
 def _warn_if_widened(directory: str | Path, ids: torch.Tensor | None, vocab_size: int) -> None:
     old = load_draft_vocab(directory, vocab_size)
     if old is None:
@@ -282,6 +317,7 @@ def run(args) -> dict:
     for directory in directories:
         draft.save(directory)
     save_draft_vocab_next_to(directories, vocab_ids)
+    write_reply_corpus(directories, train_records)  # not the dev split's: it measures unseen prompts
     if initial_dev is not None:
         summary["initial_dev"] = initial_dev
     summary["total_seconds"] = time.perf_counter() - started

@@ -119,7 +119,7 @@ def test_failing_copies_from_replies_give_rounds_back_to_the_draft_until_retried
     assert policy.copies_from_replies(seq, can_draft=True)  # no evidence against them yet
     for _ in range(20):
         policy.record(seq, 15, 0, copied=True, from_reply=True)  # rejected at once
-    assert policy.reply_alpha() < 0.1 < policy.alpha(seq)
+    assert policy.reply_alpha(seq) < policy.reply_alpha() < 0.1 < policy.alpha(seq)
     assert policy.copy_alpha(seq) == SpeculationPolicy(max_draft_tokens=7).copy_alpha(_seq())  # context copies
     assert policy.copies_from_replies(seq, can_draft=False)  # better than plain decoding
     assert SpeculationPolicy(max_draft_tokens=7, adaptive=False).copies_from_replies(seq, can_draft=True)
@@ -129,6 +129,23 @@ def test_failing_copies_from_replies_give_rounds_back_to_the_draft_until_retried
     assert 20 < refusals < 1000
     cut = policy.choose([seq], [7], copy_caps=[15], from_reply=[True])[0]  # sized by the replies' own rate
     assert cut < policy.choose([seq], [7], copy_caps=[15])[0]
+
+
+def test_copies_from_replies_are_judged_per_request():
+    # Copies from the reply corpus fit a tool call's JSON and not a conversation's prose: a
+    # request whose copies fail gives its rounds back to the draft, while another's keep copying.
+    policy, prose, tool_call = SpeculationPolicy(max_draft_tokens=7), _seq(), _seq()
+    for seq in (prose, tool_call):
+        for _ in range(30):
+            policy.record(seq, 7, 1)  # both rows' drafts: half of the examined positions pass
+    for _ in range(6):
+        policy.record(prose, 15, 0, copied=True, from_reply=True)  # rejected at once
+        policy.record(tool_call, 15, 12, copied=True, from_reply=True)
+    assert policy.reply_alpha(prose) < policy.alpha(prose) < policy.reply_alpha(tool_call)
+    assert not policy.copies_from_replies(prose, can_draft=True)
+    assert policy.copies_from_replies(tool_call, can_draft=True)
+    fresh = _seq()  # a new request starts from the engine's rate
+    assert policy.reply_alpha(fresh) == pytest.approx(policy.reply_alpha(), rel=0.01)
 
 
 def test_cost_fits_are_not_tilted_by_a_few_slow_steps():

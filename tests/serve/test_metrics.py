@@ -28,9 +28,11 @@ def test_draft_state_and_restarts_are_rendered():
     assert _gauge(text, "dlite_kv_blocks_used") == 3 and _gauge(text, "dlite_kv_blocks_total") == 8
 
 
-def test_reply_cache_size_is_rendered():
+def test_reply_cache_and_corpus_sizes_are_rendered():
     m = Metrics()
     m.set_worker_stats(WorkerStats(replica="r", running=0, waiting=0, kv_blocks_used=0, kv_blocks_total=8,
-                                   held_leases=0, draft_connected=True, reply_cache_tokens=300, reply_cache_replies=4))
+                                   held_leases=0, draft_connected=True, reply_cache_tokens=300, reply_cache_replies=4,
+                                   reply_corpus_tokens=4096))
     text = m.render().decode()
     assert _gauge(text, "dlite_reply_cache_tokens") == 300 and _gauge(text, "dlite_reply_cache_replies") == 4
+    assert _gauge(text, "dlite_reply_corpus_tokens") == 4096
