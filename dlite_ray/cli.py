@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "a comma list, each optionally with its own prompt count (agentic:2)")
     bench.add_argument("--methods", default="dlite,ar,hf,hf-prompt-lookup,hf-assisted",
                        help="comma list of dlite, ar, hf, hf-prompt-lookup, hf-assisted, oracle, dlite-nocache, "
-                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-nocorpus (no copies "
-                            "from the draft's reply corpus), dlite-tree (with "
+                            "dlite-b, dlite-nolookup (the draft without context lookup), dlite-corpus (copies from "
+                            "the draft's reply corpus too), dlite-tree (with "
                             "tree verification: the draft's runners-up and other copies verified as branches), "
                             "dlite-fixed (full draft and copy length every round, no adaptive policy), lookup "
                             "(context lookup alone), llama.cpp and llama.cpp-bf16 "

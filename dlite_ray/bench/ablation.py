@@ -3,7 +3,7 @@ decoding side by side, on the code, agent-turn and long-context workloads (batch
 
 - One process runs plain decoding (ar) and dlite at default settings, and dlite with one
   piece taken out or put in (`runner.build_methods`): the draft alone (no context lookup),
-  context lookup alone (no draft), no reply corpus, no adaptive policy (the full length
+  context lookup alone (no draft), the reply corpus on, no adaptive policy (the full length
   every round), and tree verification on. Every method takes its turn on a prompt before the next prompt.
 - A setting fixed per process gets a process of its own running dlite and ar: float32
   instead of bf16, and our CPU kernels off (DLITE_FUSED_OPS=0: eager operations and the CPU
@@ -36,7 +36,7 @@ from dlite_ray.engine.engine_config import resolve_dtype
 PIECES = {
     "dlite": "dlite, default settings",
     "dlite-nolookup": "without context lookup (the draft alone)",
-    "dlite-nocorpus": "without the reply corpus (copies from the context only)",
+    "dlite-corpus": "with the reply corpus (copies from the target's training replies)",
     "lookup": "without the DLite draft (context lookup alone)",
     "dlite-fixed": "without the adaptive policy (full length every round)",
     "dlite-tree": "with tree verification (runners-up, other copies)",

@@ -28,15 +28,15 @@ from dlite_ray.bench.stats import percentile, quartiles
 from dlite_ray.bench.workloads import Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.engine_config import resolve_dtype
-from dlite_ray.engine.loading import default_draft_dir, load_draft
+from dlite_ray.engine.engine_config import EngineConfig, resolve_dtype
+from dlite_ray.engine.loading import default_draft_dir, draft_path, load_draft
 from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.runtime.model_store import default_gguf_path
 from dlite_ray.training.prompts import tool_turn
 
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
-               "dlite-nolookup", "dlite-nocorpus", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
+               "dlite-nolookup", "dlite-corpus", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
 CONCURRENCY_MAX_PROMPT = 1024  # prompt tokens of the requests the concurrency sweep sends
 
 
@@ -150,7 +150,7 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
     methods: dict = {}
     hf = hf_target(args.target, args.dtype) if any(n in HF_METHODS for n in names) else None
     lookup = dlite.lookup_tokens  # context lookup as in `dlite`, unless the method is about it
-    corpus = dlite.corpus  # the reply corpus too
+    corpus = dlite.corpus  # the reply corpus too, where it is on
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
@@ -166,9 +166,11 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
         elif name == "dlite-nolookup":  # the DLite draft alone: no tokens copied from the context
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=0))
-        elif name == "dlite-nocorpus":  # copies from the context, none from the draft's reply corpus
+        elif name == "dlite-corpus":  # with copies from the draft's reply corpus too
+            draft_dir = draft_path(EngineConfig(target=args.target, draft=args.draft))
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
-                                                           lookup_tokens=lookup))
+                                                           lookup_tokens=lookup, reply_corpus=True,
+                                                           corpus=ReplyCorpus.load(draft_dir) if draft_dir else None))
         elif name == "dlite-tree":  # with tree verification: the draft's runners-up and other copies as branches
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, tree_tokens=TREE_TOKENS,

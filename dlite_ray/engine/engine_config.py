@@ -67,7 +67,8 @@ class EngineConfig:
     context has no match (engine/reply_cache.py; 0 = off; copies only where lookup_tokens > 0);
     reply_corpus: copy from the target's own replies that trained the draft, shipped in the
     draft's directory, where neither the context nor the reply cache has a match
-    (engine/reply_corpus.py; only where lookup_tokens > 0 and the draft ships one);
+    (engine/reply_corpus.py; off by default: it gains on tool calls and code and loses at long
+    context, docs/design.md; only where lookup_tokens > 0 and the draft ships one);
     tree_tokens: tokens of other branches (the draft's runners-up, other continuations from
     the context) verified next to a round's main proposal, as a tree (engine/candidate_tree.py;
     0 = off, the default; only where lookup_tokens > 0);
@@ -84,7 +85,7 @@ class EngineConfig:
     adaptive_draft_length: bool = True
     lookup_tokens: int | None = None
     reply_cache_tokens: int = DEFAULT_REPLY_CACHE_TOKENS
-    reply_corpus: bool = True
+    reply_corpus: bool = False
     tree_tokens: int = DEFAULT_TREE_TOKENS
     max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
     block_size: int = KV_BLOCK_SIZE

@@ -31,9 +31,10 @@ class EngineArgs(BaseModel):
                                                       "a request's context has no match; 0 = off, the default "
                                                       "(8192 holds ~70 replies)")
     reply_corpus: bool = Field(
-        True, description="copy from the target's training replies shipped with the draft "
-                          "(reply_corpus.safetensors) where a request's context has no match; shared by every "
-                          "tenant, it holds no user data")
+        False, description="copy from the target's training replies shipped with the draft "
+                           "(reply_corpus.safetensors) where a request's context has no match; shared by every "
+                           "tenant, it holds no user data. Off by default: it gains on tool calls and code and "
+                           "loses at long context (docs/design.md)")
     tree_tokens: int = Field(
         DEFAULT_TREE_TOKENS, ge=0, le=32, description="most tokens of other branches (the draft's runners-up, "
                                                       "other continuations from the context) verified next to a "

@@ -122,18 +122,20 @@ def _run(engine, prompt):
 def test_a_reply_in_the_corpus_is_copied_and_stays_plain_decoding(tiny_target, tiny_draft, with_draft):
     plain = _run(make_engine(tiny_target), PROMPT).output_ids
     corpus = ReplyCorpus.of_replies([PROMPT[-8:] + plain])
-    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15, corpus=corpus)
+    engine = make_engine(tiny_target, tiny_draft if with_draft else None, lookup_tokens=15, corpus=corpus,
+                         reply_corpus=True)
     seq = _run(engine, PROMPT)
     assert seq.output_ids == plain
     assert seq.stats.reply_rounds[0] and seq.stats.accept_lengths[0] == 16  # the whole copy was kept
     wrong = [(t + 1) % 128 for t in plain]
-    engine = make_engine(tiny_target, lookup_tokens=15, corpus=ReplyCorpus.of_replies([PROMPT[-8:] + wrong]))
+    engine = make_engine(tiny_target, lookup_tokens=15, corpus=ReplyCorpus.of_replies([PROMPT[-8:] + wrong]),
+                         reply_corpus=True)
     seq = _run(engine, PROMPT)
     assert seq.output_ids == plain and seq.stats.reply_rounds[0]  # a wrong copy is verified away
 
 
-def test_off_without_copying_or_when_asked(tiny_target, tiny_draft):
+def test_on_only_when_asked_and_copying(tiny_target, tiny_draft):
     corpus = ReplyCorpus.of_replies([[1, 2, 3, 4, 5]])
-    assert make_engine(tiny_target, tiny_draft, lookup_tokens=15, corpus=corpus).corpus is corpus
-    assert make_engine(tiny_target, tiny_draft, lookup_tokens=0, corpus=corpus).corpus is None
-    assert make_engine(tiny_target, tiny_draft, lookup_tokens=15, corpus=corpus, reply_corpus=False).corpus is None
+    assert make_engine(tiny_target, tiny_draft, lookup_tokens=15, corpus=corpus, reply_corpus=True).corpus is corpus
+    assert make_engine(tiny_target, tiny_draft, lookup_tokens=0, corpus=corpus, reply_corpus=True).corpus is None
+    assert make_engine(tiny_target, tiny_draft, lookup_tokens=15, corpus=corpus).corpus is None  # off by default
