@@ -48,7 +48,7 @@ def _per_position(results: dict, out: Path) -> str:
         if any(acc):
             ax.plot(range(1, len(acc) + 1), [a or 0 for a in acc], marker="o", label=w)
     ax.set_xlabel("draft position k")
-    ax.set_ylabel("P(draft k accepted)")
+    ax.set_ylabel("P(draft k accepted | reached)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8)
     ax.set_title("DLite per-position acceptance (drafted rounds)")

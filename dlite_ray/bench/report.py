@@ -232,8 +232,8 @@ def _acceptance(results: dict) -> list[str]:
     if not rows:
         return []
     k = max(len(s["per_position_acceptance"]) for s in rows.values())
-    lines = ["Per-position acceptance of the draft (drafted rounds; P(draft k accepted)), and the rounds where "
-             "another branch of a tree went further than the main proposal:", "",
+    lines = ["Per-position acceptance of the draft (drafted rounds; P(draft k accepted | reached)), and the rounds "
+             "where another branch of a tree went further than the main proposal:", "",
              "| method | " + " | ".join(f"k={j + 1}" for j in range(k)) + " | tree rounds (tokens gained) |",
              "|---" * (k + 2) + "|"]
     for n, s in rows.items():

@@ -4,10 +4,12 @@ to the prompts its draft was trained on (retrieval-based drafting, as in REST).
 A small target answers alike across requests: the same JSON shape of a tool call, the
 same opening of a code answer, the same phrases around a function. Those replies were
 recorded anyway to train the draft (`dlite-ray train`), so the draft's directory ships
-them (`reply_corpus.safetensors`, ~1 MB for 425K tokens), and every request may copy from
-them where its own context has no match. The target verifies a copy like any other, so
-the output is unchanged; the speculation policy tracks how often such copies pass, per
-request, and gives the round back to the draft where they pass less often than its drafts.
+them (`reply_corpus.safetensors`, ~1.7 MB for 417K tokens), and with `reply_corpus` on every
+request may copy from them where its own context has no match. The target verifies a copy
+like any other, so the output is unchanged; the speculation policy tracks how often such
+copies pass, per request, and gives the round back to the draft where they pass less often
+than its drafts. It is off by default: it gains on tool calls and code and loses at long
+context, where it takes rounds the draft would have kept as well (docs/design.md).
 
 Unlike the reply cache (`reply_cache.py`, one tenant's own earlier replies), the corpus
 holds no user data: it is fixed at load, read-only, and shared by every namespace.

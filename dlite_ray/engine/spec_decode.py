@@ -4,7 +4,7 @@
 Per step: rows whose grammar forces their next tokens propose those, and rows whose last
 tokens occurred earlier in their context copy what followed there (`context_lookup.py`),
 else in an earlier reply of their namespace (`reply_cache.py`), else in the target's own
-replies that trained the draft (`reply_corpus.py`); the others draft K_i
+replies that trained the draft (`reply_corpus.py`; these two where on); the others draft K_i
 tokens in one draft call. Where the policy finds it pays, other continuations from the
 context branch off that main proposal as a tree (`candidate_tree.py`). Then prefill
 chunks and [anchor, d_1..d_K_i] verify rows (or trees) run in one ragged target forward;
