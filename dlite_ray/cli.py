@@ -315,11 +315,12 @@ def cmd_reply_corpus(args) -> int:
     from dlite_ray.engine.engine_config import EngineConfig
     from dlite_ray.engine.loading import load_tokenizer, target_path
     from dlite_ray.training.data import load_records
-    from dlite_ray.training.pipeline import held_out_records, write_reply_corpus
+    from dlite_ray.training.pipeline import without_held_out_prompts, write_reply_corpus
 
     try:  # one record file in memory at a time
         tokenizer = load_tokenizer(target_path(EngineConfig(target=args.target, draft=None)))
-        write_reply_corpus([args.draft], held_out_records((r for f in args.data for r in load_records(f)), tokenizer))
+        records = (r for f in args.data for r in load_records(f))
+        write_reply_corpus([args.draft], without_held_out_prompts(records, tokenizer))
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

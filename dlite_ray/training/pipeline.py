@@ -225,7 +225,7 @@ def write_reply_corpus(directories: list[str | Path], records: Iterable[Record])
              sum(map(len, replies)))
 
 
-def held_out_records(records: Iterable[Record], tokenizer) -> Iterator[Record]:
+def without_held_out_prompts(records: Iterable[Record], tokenizer) -> Iterator[Record]:
     """`records` but those whose prompt holds a user turn of the dev split or of the agentic
     benchmark (data runs made before the benchmark's pool was held out hold some)."""
     held_out = {t for t in agent_eval_turns() | turns_of(build_prompt_set().dev) if len(t) >= MIN_HELD_OUT_CHARS}

@@ -46,5 +46,5 @@ def test_records_of_held_out_prompts_are_left_out():
     texts = {(1, 2): f"system\nuser\n{benchmark_turn}\nassistant", (3, 4): f"user\n{dev_turn}",
              (5, 6): "user\nWrite a function that adds two numbers."}
     records = [_record(p, [9, 9]) for p in prompts.values()]
-    kept = list(pipeline.held_out_records(records, _TextTokenizer(texts)))
+    kept = list(pipeline.without_held_out_prompts(records, _TextTokenizer(texts)))
     assert [r.tokens[:2].tolist() for r in kept] == [prompts["train"]]
