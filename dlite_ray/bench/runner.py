@@ -29,7 +29,7 @@ from dlite_ray.bench.workloads import Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.engine_config import EngineConfig, resolve_dtype
-from dlite_ray.engine.loading import default_draft_dir, draft_path, load_draft
+from dlite_ray.engine.loading import default_draft_dir, load_corpus, load_draft
 from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.runtime.model_store import default_gguf_path
 from dlite_ray.training.prompts import tool_turn
@@ -150,7 +150,7 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
     methods: dict = {}
     hf = hf_target(args.target, args.dtype) if any(n in HF_METHODS for n in names) else None
     lookup = dlite.lookup_tokens  # context lookup as in `dlite`, unless the method is about it
-    corpus = dlite.corpus  # the reply corpus too, where it is on
+    corpus = dlite.corpus  # the reply corpus too, where it is on (None: off)
     for name in names:
         if name == "dlite":
             methods[name] = EngineMethod(name, dlite)
@@ -158,7 +158,8 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             draft_b = default_draft_dir() if args.draft_b == "default" else args.draft_b
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer,
                                                            load_draft(draft_b, dlite.target, args.dtype),
-                                                           lookup_tokens=lookup, corpus=ReplyCorpus.load(draft_b)))
+                                                           lookup_tokens=lookup,
+                                                           corpus=ReplyCorpus.load(draft_b) if corpus else None))
         elif name == "dlite-nocache":  # the same draft, no prefix cache / stored boundaries
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, enable_prefix_cache=False,
@@ -167,10 +168,10 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=0))
         elif name == "dlite-corpus":  # with copies from the draft's reply corpus too
-            draft_dir = draft_path(EngineConfig(target=args.target, draft=args.draft))
+            on = EngineConfig(target=args.target, draft=args.draft, reply_corpus=True)
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, reply_corpus=True,
-                                                           corpus=ReplyCorpus.load(draft_dir) if draft_dir else None))
+                                                           corpus=load_corpus(on)))
         elif name == "dlite-tree":  # with tree verification: the draft's runners-up and other copies as branches
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer, dlite.draft,
                                                            lookup_tokens=lookup, tree_tokens=TREE_TOKENS,

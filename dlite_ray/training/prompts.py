@@ -12,6 +12,7 @@ turn with the benchmark's pool (`agent_eval_rows`) or with the dev split is left
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import json
 import logging
@@ -162,9 +163,10 @@ def agent_eval_rows(seed: int = 0) -> list[dict]:
     return random.Random(seed).sample(rows, AGENT_EVAL_POOL)
 
 
-def agent_eval_turns() -> set[str]:
+@functools.cache
+def agent_eval_turns() -> frozenset[str]:
     """Every user turn of the agentic benchmark's pool: no training prompt may hold one."""
-    return {text for row in agent_eval_rows() for text in _user_turns(row)}
+    return frozenset(text for row in agent_eval_rows() for text in _user_turns(row))
 
 
 def tool_turn(text: str) -> dict:
