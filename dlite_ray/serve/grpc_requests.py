@@ -1,6 +1,7 @@
 """dlite.v1 request messages into the shapes of openai_requests, checked the same way.
 
-proto3 scalars have no "unset", so 0 (or "") means "the server default".
+proto3 scalars have no "unset", so 0 (or "") means "the server default"; `seed` is declared
+`optional`, so seed 0 is a seed and an unset one is none.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _grpc_sampling_body(request) -> dict:
                             "top_p": request.top_p or 1.0, "top_k": request.top_k, "stop": list(request.stop),
                             "verify_mode": request.verify_mode or None, "ignore_eos": request.ignore_eos,
                             "stop_token_ids": list(request.stop_token_ids)}
-    if request.seed:
+    if request.HasField("seed"):
         body["seed"] = request.seed
     if request.json_schema:
         body["response_format"] = _grpc_response_format(request.json_schema)

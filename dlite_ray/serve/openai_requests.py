@@ -16,7 +16,16 @@ from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_call
 from dlite_ray.runtime.sampling import VERIFY_MODES
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
-from dlite_ray.serve.request_limits import check_message_chars, check_prompt_chars, refuse_not_implemented
+from dlite_ray.serve.request_limits import (
+    APPEND_FIELDS,
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    CREATE_CONVERSATION_FIELDS,
+    check_message_chars,
+    check_prompt_chars,
+    refuse_not_implemented,
+    refuse_unknown_fields,
+)
 from dlite_ray.serve.request_types import ConversationTurn, ParsedRequest, check_bool, check_number, check_text
 from dlite_ray.serve.tool_calls import Tool
 from dlite_ray.serve.tool_prompt import assistant_tool_calls, forced_tools, offered_tools, tools_message
@@ -45,6 +54,7 @@ def decode_json_body(raw: bytes, limits: LimitArgs) -> Any:
 def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    refuse_unknown_fields(body, CHAT_FIELDS)
     messages, tools = messages_and_tools(body, limits)
     params = sampling(body, limits, chat_logprobs(body))
     forced = forced_tools(body.get("tool_choice"), tools)
@@ -71,6 +81,7 @@ def messages_and_tools(body: dict, limits: LimitArgs) -> tuple[list[dict[str, st
 def parse_completion(body: Any, limits: LimitArgs) -> ParsedRequest:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    refuse_unknown_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise BadRequest("'prompt' must be a non-empty string")
@@ -238,6 +249,7 @@ def parse_create_conversation(body: Any, limits: LimitArgs) -> list[dict[str, st
     if given (then every turn offers them, and replies that call them are tool_calls)."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    refuse_unknown_fields(body, CREATE_CONVERSATION_FIELDS)
     return messages_and_tools(body, limits)[0]
 
 
@@ -245,6 +257,7 @@ def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
     """POST /v1/conversations/{id}/messages: new messages (optional), sampling, lease."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    refuse_unknown_fields(body, APPEND_FIELDS)
     raw = body.get("messages")
     new = [] if raw is None or raw == [] else parse_messages(raw, limits)  # a turn may add nothing
     check_prompt_chars(new, limits)

@@ -26,6 +26,29 @@ NOT_IMPLEMENTED = {"n": 1, "best_of": 1, "logit_bias": {}, "presence_penalty": 0
                    "repetition_penalty": 1}
 
 
+# Every field a body may carry, by what it asks for. Anything else is refused by name, as
+# OpenAI's API does ("Unrecognized request argument"): a field silently ignored (a `grammar`
+# the client believes constrains the reply) is worse than a 400. `model` and `user` are
+# OpenAI's bookkeeping and change nothing here.
+BOOKKEEPING_FIELDS = frozenset({"model", "user"})
+SAMPLING_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                             "stop_token_ids", "verify_mode", "ignore_eos", "response_format", "trace_top_k",
+                             "logprobs", "top_logprobs", *NOT_IMPLEMENTED})
+TOOL_FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
+STREAM_FIELDS = frozenset({"stream", "stream_options"})
+CHAT_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | TOOL_FIELDS | STREAM_FIELDS | {"messages"}
+COMPLETION_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | STREAM_FIELDS | {"prompt"}
+CREATE_CONVERSATION_FIELDS = BOOKKEEPING_FIELDS | TOOL_FIELDS | {"messages"}
+APPEND_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | {"messages", "lease_seconds"}  # a turn's reply is not streamed
+
+
+def refuse_unknown_fields(body: dict, known: frozenset[str]) -> None:
+    """A 400 naming the first field (in the body's order) this endpoint does not know."""
+    for name in body:
+        if name not in known:
+            raise BadRequest(f"unrecognized request argument: {_short(name)}")
+
+
 def check_message_chars(content: str, name: str, limits: LimitArgs) -> None:
     if len(content) > limits.max_message_chars:
         raise PayloadTooLarge(f"{name} holds {len(content)} characters, over this server's max_message_chars "

@@ -13,7 +13,7 @@ from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.serve.config import AppArgs, LimitArgs
 from dlite_ray.serve.errors import BadRequest, ConversationNotFound, InternalError, as_serve_error, openai_error_body
 from dlite_ray.serve.grpc_requests import parse_grpc_append, parse_grpc_generate
-from dlite_ray.serve.openai_requests import parse_append, parse_chat, parse_completion
+from dlite_ray.serve.openai_requests import parse_append, parse_chat, parse_completion, parse_create_conversation
 from dlite_ray.serve.proto import dlite_pb2
 
 LIMITS = LimitArgs()
@@ -131,3 +131,32 @@ def test_the_worker_validates_before_its_first_chunk(worker):
             return chunk
     with pytest.raises(InvalidRequest, match="does not fit"):
         asyncio.run(first())
+
+
+@pytest.mark.parametrize(("parse", "body"), [
+    (parse_chat, {"messages": HI}),
+    (parse_completion, {"prompt": "hi"}),
+    (parse_append, {"messages": HI}),
+    (parse_create_conversation, {"messages": HI}),
+])
+def test_unknown_fields_are_refused_by_name(parse, body):
+    parse(body | {"model": "any", "user": "u1"}, LIMITS)  # OpenAI's bookkeeping is accepted
+    with pytest.raises(BadRequest, match="unrecognized request argument: \"grammar\""):
+        parse(body | {"grammar": "root ::= \"x\""}, LIMITS)
+
+
+def test_fields_of_another_endpoint_are_refused():
+    with pytest.raises(BadRequest, match="stream"):
+        parse_append({"messages": HI, "stream": True}, LIMITS)  # a turn's reply is not streamed
+    with pytest.raises(BadRequest, match="tools"):
+        parse_completion({"prompt": "hi", "tools": []}, LIMITS)
+    with pytest.raises(BadRequest, match="max_tokens"):
+        parse_create_conversation({"messages": HI, "max_tokens": 3}, LIMITS)
+
+
+def test_grpc_seed_zero_is_a_seed():
+    zero = dlite_pb2.GenerateRequest(prompt="hi", seed=0)
+    assert parse_grpc_generate(zero, LIMITS).params.seed == 0
+    assert parse_grpc_generate(dlite_pb2.GenerateRequest(prompt="hi"), LIMITS).params.seed is None
+    append = dlite_pb2.AppendRequest(conversation_id="c", messages=HI_PB, seed=0)
+    assert parse_grpc_append(append, LIMITS).params.seed == 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x64lite.proto\x12\x08\x64lite.v1\"f\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.dlite.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\xf4\x02\n\x0fGenerateRequest\x12#\n\x08messages\x18\x01 \x03(\x0b\x32\x11.dlite.v1.Message\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x1d\n\x05tools\x18\x0c \x03(\x0b\x32\x0e.dlite.v1.Tool\x12\x13\n\x0btool_choice\x18\r \x01(\t\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\x13\n\x0bverify_mode\x18\x0f \x01(\t\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\"\xfd\x01\n\x05Stats\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x01 \x03(\x05\x12\x1a\n\x12mean_accept_length\x18\x02 \x01(\x01\x12\x14\n\x0cprefill_time\x18\x03 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_wall_time\x18\x04 \x01(\x01\x12\x12\n\ndraft_time\x18\x05 \x01(\x01\x12\x13\n\x0bverify_time\x18\x06 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x07 \x01(\x01\x12\x0c\n\x04ttft\x18\x08 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\x05\"k\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.dlite.v1.TokenLogprob\"\xb9\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1e\n\x05stats\x18\x04 \x01(\x0b\x32\x0f.dlite.v1.Stats\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.dlite.v1.TokenLogprob\x12&\n\ntool_calls\x18\x06 \x03(\x0b\x32\x12.dlite.v1.ToolCall\"v\n\x19\x43reateConversationRequest\x12#\n\x08messages\x18\x01 \x03(\x0b\x32\x11.dlite.v1.Message\x12\x15\n\rlease_seconds\x18\x02 \x01(\x05\x12\x1d\n\x05tools\x18\x03 \x03(\x0b\x32\x0e.dlite.v1.Tool\"l\n\x0c\x43onversation\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12#\n\x08messages\x18\x02 \x03(\x0b\x32\x11.dlite.v1.Message\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\xc5\x02\n\rAppendRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12#\n\x08messages\x18\x02 \x03(\x0b\x32\x11.dlite.v1.Message\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x15\n\rlease_seconds\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x13\n\x0bjson_schema\x18\x0b \x01(\t\x12\r\n\x05top_k\x18\x0c \x01(\x05\x12\x13\n\x0bverify_mode\x18\r \x01(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\"1\n\x16GetConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"4\n\x19\x44\x65leteConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"-\n\x1a\x44\x65leteConversationResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x1b\n\x0bServerStats\x12\x0c\n\x04json\x18\x01 \x01(\t2\xd8\x03\n\x0c\x44LiteService\x12@\n\x08Generate\x12\x19.dlite.v1.GenerateRequest\x1a\x17.dlite.v1.GenerateChunk0\x01\x12Q\n\x12\x43reateConversation\x12#.dlite.v1.CreateConversationRequest\x1a\x16.dlite.v1.Conversation\x12G\n\x11\x41ppendAndGenerate\x12\x17.dlite.v1.AppendRequest\x1a\x17.dlite.v1.GenerateChunk0\x01\x12K\n\x0fGetConversation\x12 .dlite.v1.GetConversationRequest\x1a\x16.dlite.v1.Conversation\x12_\n\x12\x44\x65leteConversation\x12#.dlite.v1.DeleteConversationRequest\x1a$.dlite.v1.DeleteConversationResponse\x12<\n\x08GetStats\x12\x19.dlite.v1.GetStatsRequest\x1a\x15.dlite.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x64lite.proto\x12\x08\x64lite.v1\"f\n\x07Message\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12&\n\ntool_calls\x18\x03 \x03(\x0b\x32\x12.dlite.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x82\x03\n\x0fGenerateRequest\x12#\n\x08messages\x18\x01 \x03(\x0b\x32\x11.dlite.v1.Message\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0f\x63onversation_id\x18\x07 \x01(\t\x12\r\n\x05top_k\x18\x08 \x01(\x05\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x1d\n\x05tools\x18\x0c \x03(\x0b\x32\x0e.dlite.v1.Tool\x12\x13\n\x0btool_choice\x18\r \x01(\t\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\x13\n\x0bverify_mode\x18\x0f \x01(\t\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\x05\x42\x07\n\x05_seed\"\xfd\x01\n\x05Stats\x12\x16\n\x0e\x61\x63\x63\x65pt_lengths\x18\x01 \x03(\x05\x12\x1a\n\x12mean_accept_length\x18\x02 \x01(\x01\x12\x14\n\x0cprefill_time\x18\x03 \x01(\x01\x12\x18\n\x10\x64\x65\x63ode_wall_time\x18\x04 \x01(\x01\x12\x12\n\ndraft_time\x18\x05 \x01(\x01\x12\x13\n\x0bverify_time\x18\x06 \x01(\x01\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x07 \x01(\x01\x12\x0c\n\x04ttft\x18\x08 \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\x05\"k\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12,\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x16.dlite.v1.TokenLogprob\"\xb9\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1e\n\x05stats\x18\x04 \x01(\x0b\x32\x0f.dlite.v1.Stats\x12(\n\x08logprobs\x18\x05 \x03(\x0b\x32\x16.dlite.v1.TokenLogprob\x12&\n\ntool_calls\x18\x06 \x03(\x0b\x32\x12.dlite.v1.ToolCall\"v\n\x19\x43reateConversationRequest\x12#\n\x08messages\x18\x01 \x03(\x0b\x32\x11.dlite.v1.Message\x12\x15\n\rlease_seconds\x18\x02 \x01(\x05\x12\x1d\n\x05tools\x18\x03 \x03(\x0b\x32\x0e.dlite.v1.Tool\"l\n\x0c\x43onversation\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12#\n\x08messages\x18\x02 \x03(\x0b\x32\x11.dlite.v1.Message\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\"\xd3\x02\n\rAppendRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12#\n\x08messages\x18\x02 \x03(\x0b\x32\x11.dlite.v1.Message\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\rlease_seconds\x18\x07 \x01(\x05\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\x05\x12\x13\n\x0bjson_schema\x18\x0b \x01(\t\x12\r\n\x05top_k\x18\x0c \x01(\x05\x12\x13\n\x0bverify_mode\x18\r \x01(\t\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x42\x07\n\x05_seed\"1\n\x16GetConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"4\n\x19\x44\x65leteConversationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"-\n\x1a\x44\x65leteConversationResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\x1b\n\x0bServerStats\x12\x0c\n\x04json\x18\x01 \x01(\t2\xd8\x03\n\x0c\x44LiteService\x12@\n\x08Generate\x12\x19.dlite.v1.GenerateRequest\x1a\x17.dlite.v1.GenerateChunk0\x01\x12Q\n\x12\x43reateConversation\x12#.dlite.v1.CreateConversationRequest\x1a\x16.dlite.v1.Conversation\x12G\n\x11\x41ppendAndGenerate\x12\x17.dlite.v1.AppendRequest\x1a\x17.dlite.v1.GenerateChunk0\x01\x12K\n\x0fGetConversation\x12 .dlite.v1.GetConversationRequest\x1a\x16.dlite.v1.Conversation\x12_\n\x12\x44\x65leteConversation\x12#.dlite.v1.DeleteConversationRequest\x1a$.dlite.v1.DeleteConversationResponse\x12<\n\x08GetStats\x12\x19.dlite.v1.GetStatsRequest\x1a\x15.dlite.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,29 +38,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOOL']._serialized_start=191
   _globals['_TOOL']._serialized_end=257
   _globals['_GENERATEREQUEST']._serialized_start=260
-  _globals['_GENERATEREQUEST']._serialized_end=632
-  _globals['_STATS']._serialized_start=635
-  _globals['_STATS']._serialized_end=888
-  _globals['_TOKENLOGPROB']._serialized_start=890
-  _globals['_TOKENLOGPROB']._serialized_end=997
-  _globals['_GENERATECHUNK']._serialized_start=1000
-  _globals['_GENERATECHUNK']._serialized_end=1185
-  _globals['_CREATECONVERSATIONREQUEST']._serialized_start=1187
-  _globals['_CREATECONVERSATIONREQUEST']._serialized_end=1305
-  _globals['_CONVERSATION']._serialized_start=1307
-  _globals['_CONVERSATION']._serialized_end=1415
-  _globals['_APPENDREQUEST']._serialized_start=1418
-  _globals['_APPENDREQUEST']._serialized_end=1743
-  _globals['_GETCONVERSATIONREQUEST']._serialized_start=1745
-  _globals['_GETCONVERSATIONREQUEST']._serialized_end=1794
-  _globals['_DELETECONVERSATIONREQUEST']._serialized_start=1796
-  _globals['_DELETECONVERSATIONREQUEST']._serialized_end=1848
-  _globals['_DELETECONVERSATIONRESPONSE']._serialized_start=1850
-  _globals['_DELETECONVERSATIONRESPONSE']._serialized_end=1895
-  _globals['_GETSTATSREQUEST']._serialized_start=1897
-  _globals['_GETSTATSREQUEST']._serialized_end=1914
-  _globals['_SERVERSTATS']._serialized_start=1916
-  _globals['_SERVERSTATS']._serialized_end=1943
-  _globals['_DLITESERVICE']._serialized_start=1946
-  _globals['_DLITESERVICE']._serialized_end=2418
+  _globals['_GENERATEREQUEST']._serialized_end=646
+  _globals['_STATS']._serialized_start=649
+  _globals['_STATS']._serialized_end=902
+  _globals['_TOKENLOGPROB']._serialized_start=904
+  _globals['_TOKENLOGPROB']._serialized_end=1011
+  _globals['_GENERATECHUNK']._serialized_start=1014
+  _globals['_GENERATECHUNK']._serialized_end=1199
+  _globals['_CREATECONVERSATIONREQUEST']._serialized_start=1201
+  _globals['_CREATECONVERSATIONREQUEST']._serialized_end=1319
+  _globals['_CONVERSATION']._serialized_start=1321
+  _globals['_CONVERSATION']._serialized_end=1429
+  _globals['_APPENDREQUEST']._serialized_start=1432
+  _globals['_APPENDREQUEST']._serialized_end=1771
+  _globals['_GETCONVERSATIONREQUEST']._serialized_start=1773
+  _globals['_GETCONVERSATIONREQUEST']._serialized_end=1822
+  _globals['_DELETECONVERSATIONREQUEST']._serialized_start=1824
+  _globals['_DELETECONVERSATIONREQUEST']._serialized_end=1876
+  _globals['_DELETECONVERSATIONRESPONSE']._serialized_start=1878
+  _globals['_DELETECONVERSATIONRESPONSE']._serialized_end=1923
+  _globals['_GETSTATSREQUEST']._serialized_start=1925
+  _globals['_GETSTATSREQUEST']._serialized_end=1942
+  _globals['_SERVERSTATS']._serialized_start=1944
+  _globals['_SERVERSTATS']._serialized_end=1971
+  _globals['_DLITESERVICE']._serialized_start=1974
+  _globals['_DLITESERVICE']._serialized_end=2446
 # @@protoc_insertion_point(module_scope)
