@@ -165,6 +165,7 @@ def test_flash_backend_equals_causal_attention_one_kernel_path():
 
 def test_flash_attn_refuses_float32_and_auto_falls_back(monkeypatch):
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attention, "triton_available", lambda: False)
     cuda = torch.device("cuda")
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         make_backend("flash_attn", cuda, torch.float32)

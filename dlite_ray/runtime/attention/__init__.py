@@ -6,12 +6,17 @@
 - cpu_exactness.py: how the CPU kernel is called so that a row's bits do not depend on
   the step it is in (measured once per process and shape).
 - flash.py: `FlashAttnBackend`, CUDA, paged `flash_attn_with_kvcache` (extra `gpu`).
+- paged_triton.py, triton_backend.py: `TritonPagedBackend`, CUDA, a paged decode / verify
+  kernel of our own in Triton (extra `triton`); on CPU only under TRITON_INTERPRET=1 (tests).
 
 `make_backend("auto", ...)` picks flash-attn on CUDA in fp16 / bf16 when the package is
-installed, else SDPA.
+installed, else the triton backend on CUDA when Triton is, else SDPA.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,17 +29,33 @@ from dlite_ray.runtime.attention.flash import (
 from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS, WINDOW, build_attention_metadata
 from dlite_ray.runtime.attention.sdpa import SdpaBackend
 
+if TYPE_CHECKING:
+    from dlite_ray.runtime.attention.triton_backend import TritonPagedBackend
+
 # What the engine (and its tests) import from here; the rest: from the module that holds it.
 __all__ = ["FLASH_ATTN_PAGE_MULTIPLE", "MAX_POSITIONED_TOKENS", "WINDOW", "build_attention_metadata", "make_backend"]
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> SdpaBackend | FlashAttnBackend:
-    """`auto`: flash-attn on CUDA in fp16 / bf16 when it is installed, else SDPA."""
+def make_backend(name: str, device: torch.device,
+                 dtype: torch.dtype) -> SdpaBackend | FlashAttnBackend | TritonPagedBackend:
+    """`auto`: flash-attn on CUDA in fp16 / bf16 when it is installed, else the triton
+    backend on CUDA when Triton is, else SDPA (the CPU keeps its own kernels)."""
     if name == "auto":
-        flash = device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available()
-        name = "flash_attn" if flash else "sdpa"
+        if device.type == "cuda" and dtype in FLASH_ATTN_DTYPES and flash_attn_available():
+            name = "flash_attn"
+        else:
+            name = "triton" if device.type == "cuda" and triton_available() else "sdpa"
     if name == "sdpa":
         return SdpaBackend()
+    if name == "triton":
+        if not triton_available():
+            raise ValueError("attention_backend='triton' needs the triton package (extra 'triton')")
+        from dlite_ray.runtime.attention.paged_triton import interpreting  # optional dependency
+        from dlite_ray.runtime.attention.triton_backend import TritonPagedBackend
+        if device.type != "cuda" and not interpreting():
+            raise ValueError("attention_backend='triton' runs on CUDA; elsewhere only under TRITON_INTERPRET=1 "
+                             "(Triton's interpreter, for tests)")
+        return TritonPagedBackend()
     if name == "flash_attn":
         if device.type != "cuda" or not flash_attn_available():
             raise ValueError("attention_backend='flash_attn' needs CUDA and the flash-attn package (extra 'gpu')")
@@ -42,4 +63,8 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype) -> SdpaBac
             raise ValueError(f"attention_backend='flash_attn' runs in float16 or bfloat16, not {dtype}; "
                              "use attention_backend='sdpa' (or 'auto') for this dtype")
         return FlashAttnBackend()
-    raise ValueError(f"unknown attention_backend {name!r}; choose auto, sdpa or flash_attn")
+    raise ValueError(f"unknown attention_backend {name!r}; choose auto, sdpa, flash_attn or triton")
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None

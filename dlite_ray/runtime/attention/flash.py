@@ -19,12 +19,14 @@ FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs blocks of a multip
 
 @dataclass(slots=True)
 class FlashPlan:
-    """flash-attn's inputs for one forward, built by its first layer as int32 tensors."""
+    """flash-attn's (and the triton backend's) inputs for one forward, built by its first
+    layer as int32 tensors."""
 
     row_tokens: torch.Tensor | None  # [P] the decode/verify tokens, each its own batch entry
     row_seqlens: torch.Tensor | None  # [P] keys each row sees: its position + 1
     row_tables: torch.Tensor | None  # [P, W] its sequence's block table, zero-padded
     chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # prefill: (q_start, q_len, seqlens [1], table [1, W])
+    max_row_seqlen: int = 0  # the longest row's keys, known on the host (the triton backend's grid)
 
 
 def plan_flash(meta: AttentionMetadata, device: torch.device) -> FlashPlan:
@@ -46,7 +48,7 @@ def plan_flash(meta: AttentionMetadata, device: torch.device) -> FlashPlan:
         return FlashPlan(None, None, None, chunks)
     return FlashPlan(torch.tensor(tokens, dtype=torch.long, device=device),
                      torch.tensor(seqlens, dtype=torch.int32, device=device),
-                     torch.tensor(tables, dtype=torch.int32, device=device), chunks)
+                     torch.tensor(tables, dtype=torch.int32, device=device), chunks, max(seqlens))
 
 
 class FlashAttnBackend:

@@ -137,7 +137,7 @@ def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.T
                         v_all: torch.Tensor) -> torch.Tensor:
     """Decode and verify rows of every sequence in batched position-exact calls
     (window_batch.py); prefill chunks one by one, causally masked over GQA-folded rows."""
-    hkv, dh = k_all.shape[0], k_all.shape[2]
+    hkv = k_all.shape[0]
     group = q.shape[1] // hkv
     exact = [s for s in meta.spans if positioned(s, group)]
     if exact and meta.window_plan is None:
@@ -149,16 +149,24 @@ def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.T
     if exact:
         out[meta.window_plan.tokens] = attend_windows(meta.window_plan, q, k_all, v_all)
     for span in meta.spans:
-        if positioned(span, group):
-            continue
-        n = span.q_len
-        k_ctx, v_ctx = _context_kv(span, k_all, v_all)
-        rows = q[span.q_start:span.q_start + n]
-        qs = rows.view(n, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, group * n, dh)  # rows: (group, position)
-        attended = F.scaled_dot_product_attention(qs[None], k_ctx[None], v_ctx[None],
-                                                  attn_mask=_folded_mask(span, group, q.dtype, q.device))[0]
-        out[span.q_start:span.q_start + n] = attended.view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, -1, dh)
+        if not positioned(span, group):
+            out[span.q_start:span.q_start + span.q_len] = attend_prefill_span(q, k_all, v_all, span)
     return out
+
+
+def attend_prefill_span(q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor, span: SequenceSpan) -> torch.Tensor:
+    """A prefill chunk's rows of q [T, Hq, Dh] -> [q_len, Hq, Dh], over its context in
+    k_all, v_all [Hkv, slots, Dh] (a view, or gathered once), causally masked, GQA folded
+    into the rows: one SDPA call (the accelerators' way, and the triton backend's)."""
+    n, hq, dh = span.q_len, q.shape[1], q.shape[2]
+    hkv = k_all.shape[0]
+    group = hq // hkv
+    k_ctx, v_ctx = _context_kv(span, k_all, v_all)
+    rows = q[span.q_start:span.q_start + n]
+    qs = rows.view(n, hkv, group, dh).permute(1, 2, 0, 3).reshape(hkv, group * n, dh)  # rows: (group, position)
+    attended = F.scaled_dot_product_attention(qs[None], k_ctx[None], v_ctx[None],
+                                              attn_mask=_folded_mask(span, group, q.dtype, q.device))[0]
+    return attended.view(hkv, group, n, dh).permute(2, 0, 1, 3).reshape(n, hq, dh)
 
 
 def _attend_prefill_cpu(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor) -> torch.Tensor:
