@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve model bench clean
+.PHONY: setup test serve model kernels bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,7 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-setup: $(STAMP) model
+setup: $(STAMP) model kernels
+
+# the C++ CPU kernels, built here and not by whichever process first loads a CPU target
+# (a no-op load of ~2 s once they are built for these sources; runtime/kernel_build.py)
+kernels: $(STAMP)
+	$(BIN)/dlite-ray build-kernels
 
 model: $(STAMP)
 	$(BIN)/dlite-ray fetch-model

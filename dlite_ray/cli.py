@@ -1,4 +1,4 @@
-"""dlite-ray: one entry point (generate, fetch-model, bench, bench-suite, bench-ablation, bench-runtime,
+"""dlite-ray: one entry point (generate, fetch-model, build-kernels, bench, bench-suite, bench-ablation, bench-runtime,
 bench-serve, bench-followup, loadtest, soak, train, draft-vocab, reply-corpus, gpu-check)."""
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
 
     sub.add_parser("fetch-model", help="fetch and convert the default target into the user cache")
+    sub.add_parser("build-kernels", help="build the CPU kernels now (make setup; else the first CPU load does)")
 
     rb = sub.add_parser("bench-runtime", help="decode tokens/s: our runtime vs transformers generate")
     rb.add_argument("--contexts", default="512,4096")
@@ -286,6 +287,20 @@ def cmd_loadtest(args) -> int:
                      or report["greedy"]["mismatches"]) else 1
 
 
+def cmd_build_kernels(args) -> int:
+    import os
+
+    from dlite_ray.runtime import fused_ops
+
+    if os.environ.get("DLITE_FUSED_OPS", "1") == "0":
+        print("build-kernels: DLITE_FUSED_OPS=0, nothing to build")
+        return 0
+    built = fused_ops.kernels() is not None
+    where = fused_ops.kernel_build().directory
+    print(f"build-kernels: {'built' if built else 'NOT built (eager operations; see the warning above)'} in {where}")
+    return 0 if built else 1
+
+
 def cmd_soak(args) -> int:
     from dlite_ray.bench.soak import run
 
@@ -345,7 +360,8 @@ def cmd_gpu_check(args) -> int:
     return 0 if report["all_equal"] else 1
 
 
-COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "bench-runtime": cmd_bench_runtime,
+COMMANDS = {"generate": cmd_generate, "fetch-model": cmd_fetch_model, "build-kernels": cmd_build_kernels,
+            "bench-runtime": cmd_bench_runtime,
             "bench": cmd_bench, "bench-serve": cmd_bench_serve, "bench-followup": cmd_bench_followup,
             "bench-suite": cmd_bench_suite, "bench-ablation": cmd_bench_ablation, "loadtest": cmd_loadtest,
             "soak": cmd_soak, "train": cmd_train,

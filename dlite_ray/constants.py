@@ -38,3 +38,8 @@ DEFAULT_DRAFT_VOCAB_SIZE = 8192
 
 # Generation.
 DEFAULT_MAX_NEW_TOKENS = 128
+
+# C++ kernels (runtime/kernel_build.py): how long a process waits for another live process's
+# build of them (~3 min on 2 cores) before it runs the eager operations instead.
+# DLITE_KERNEL_BUILD_WAIT_S overrides it.
+KERNEL_BUILD_WAIT_S = 600.0

@@ -9,10 +9,12 @@ cache (float32 or bf16, AVX-512); `csrc/row_linear.cpp` computes the frozen line
 layers in one call (`layer_loop.py`); `csrc/draft_head.cpp` runs the draft's sequential head
 for greedy rows (`sequential_head.py`), and `csrc/draft_backbone.cpp` its backbone's layers
 (`draft_layer_loop.py`); `csrc/argmax.cpp` picks greedy tokens (`argmax`). They are compiled
-by torch's extension loader (ninja and the system C++ compiler, ~60 s once per machine,
-cached under ~/.cache/torch_extensions) when
-a CPU target is loaded; where that fails, or with DLITE_FUSED_OPS=0, the same operations
-run as eager PyTorch calls and attention through the CPU flash kernel.
+by torch's extension loader (ninja and the system C++ compiler, ~1-3 min once per source
+set and CPU, cached under ~/.cache/torch_extensions) at `dlite-ray build-kernels` (`make
+setup`), else when a CPU target is loaded (`kernel_build.py`: a directory per source set, a
+dead build's lock removed, a live one waited on with a deadline); where that fails, or with
+DLITE_FUSED_OPS=0, the same operations run as eager PyTorch calls and attention through the
+CPU flash kernel.
 
 The kernels serve inference only (no autograd): a call with gradients enabled, or off the
 CPU, takes the eager way. Both ways compute each row the same way whatever the row count,
@@ -33,6 +35,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from dlite_ray.constants import KERNEL_BUILD_WAIT_S
+from dlite_ray.runtime.kernel_build import KernelBuild, KernelBuildTimeout, default_root, load_kernels
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name
@@ -46,17 +51,26 @@ def kernels() -> ModuleType | None:
     """The compiled kernels, or None (switched off, or they would not build: logged once)."""
     if os.environ.get("DLITE_FUSED_OPS", "1") == "0":
         return None
+    wait_s = float(os.environ.get("DLITE_KERNEL_BUILD_WAIT_S", KERNEL_BUILD_WAIT_S))
     try:
-        from torch.utils.cpp_extension import load
-
-        log.info("loading the fused CPU kernels (compiled once per machine, ~60 s)")
-        built = load(f"dlite_fused_ops_{_cpu_tag()}", [str(s) for s in SOURCES], extra_cflags=CFLAGS)
+        log.info("loading the fused CPU kernels (built once per source set and CPU, 1-3 min; "
+                 "`dlite-ray build-kernels` builds them ahead)")
+        built = load_kernels(kernel_build(), wait_s)
         if built.row_linear_uses_amx(32):  # the unit is fixed per process: it sets speed and bits
             log.info("bf16 linears and attention run on the AMX tile unit (DLITE_AMX=0: the dot-product instruction)")
         return built
+    except KernelBuildTimeout as exc:
+        log.warning("fused CPU kernels not loaded: %s; using eager PyTorch operations for this process", exc)
+        return None
     except (ImportError, OSError, RuntimeError) as exc:  # no compiler or ninja, a read-only cache
         log.warning("fused CPU kernels unavailable (%s); using eager PyTorch operations", exc)
         return None
+
+
+def kernel_build() -> KernelBuild:
+    """This checkout's build of the kernels, for this CPU."""
+    return KernelBuild("dlite_fused_ops", tuple(SOURCES), tuple(CFLAGS), _cpu_tag(), default_root(),
+                       headers=tuple(sorted(SOURCES[0].parent.glob("*.h"))))
 
 
 def _cpu_tag() -> str:
