@@ -180,9 +180,14 @@ def test_kv_after_rounds_equals_fresh_prefill(tiny_target, tiny_draft):
                                        atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(cache.v[layer][:, slots], fresh_runner.cache.v[layer][:, fresh_slots],
                                        atol=1e-5, rtol=1e-5)
+    blocks = engine.scheduler.blocks
+    held = [b for s in seqs for b in s.block_table]
+    assert held and blocks.num_used_blocks == len(set(held))
     for s in seqs:
-        engine.abort(s.request_id)
-    assert engine.scheduler.blocks.num_used_blocks == 0 or engine.scheduler.boundaries is not None
+        assert engine.abort(s.request_id)
+    # an aborted request keeps no boundary: every block it held is free again (cached ones evictable)
+    assert blocks.num_used_blocks == 0
+    assert all(blocks.ref_count(b) == 0 for b in held)
 
 
 # Ends in 3, which was followed by 5, 9, 4 and 6 earlier: the draft's block and those
