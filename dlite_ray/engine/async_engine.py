@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from dlite_ray.engine.engine import DLiteEngine, Prompt
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.request_stats import RequestStats
-from dlite_ray.engine.sequence import SamplingParams, Sequence
+from dlite_ray.engine.sequence import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -65,27 +66,35 @@ class AsyncEngine:
                        lease: str | None = None, namespace: str | None = None) -> AsyncIterator[Chunk]:
         """Stream a request's tokens; cancelling the consumer aborts the request. With
         `lease`, its KV stays pinned afterwards until `release_lease`; `namespace` (a
-        tenant) is whose earlier replies it may copy from (`DLiteEngine.add_request`)."""
+        tenant) is whose earlier replies it may copy from (`DLiteEngine.add_request`).
+
+        However the consumer leaves before the last chunk (cancelled, closed, collected),
+        the request is given up (`_give_up`): also when its "add" still waits in the inbox,
+        so no request decodes for nobody, and a reply that finished unread does not keep
+        its conversation's KV pinned."""
         # validation errors surface here, in the caller; tokenizing a long prompt happens off
         # the event loop, which streams every other request's tokens
         ids = await asyncio.to_thread(self.engine.encode, prompt)
+        # the id is chosen here, not by the engine thread, so the caller can name the request
+        # before the engine has admitted it
+        request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         out: asyncio.Queue = asyncio.Queue()
-        done = asyncio.Event()
-        seq_holder: list[Sequence] = []
-        self._inbox.put(("add", ids, params, request_id, lease, namespace, loop, out, seq_holder))
+        ended = False  # the last chunk was read, or the request failed: nothing left to give up
+        self._inbox.put(("add", ids, params, request_id, lease, namespace, loop, out))
         try:
             while True:
                 item = await out.get()
                 if isinstance(item, BaseException):
+                    ended = True
                     raise item
                 yield item
                 if item.finished:
-                    done.set()
+                    ended = True
                     return
         finally:
-            if not done.is_set() and seq_holder:
-                self._inbox.put(("abort", seq_holder[0].request_id))
+            if not ended:
+                self._inbox.put(("give_up", request_id, lease))
 
     def stats(self) -> EngineLoad:
         scheduler, replies, corpus = self.engine.scheduler, self.engine.reply_cache, self.engine.corpus
@@ -156,21 +165,27 @@ class AsyncEngine:
                 return
             block = False
             if item[0] == "add":
-                _, ids, params, request_id, lease, namespace, loop, out, holder = item
+                _, ids, params, request_id, lease, namespace, loop, out = item
                 try:
-                    seq = self.engine.add_request(ids, params, request_id, lease, namespace)
+                    self.engine.add_request(ids, params, request_id, lease, namespace)
                 except Exception as exc:  # noqa: BLE001 - reported to that caller only
                     loop.call_soon_threadsafe(out.put_nowait, exc)
                     continue
-                holder.append(seq)
-                self._streams[seq.request_id] = (loop, out)
-            elif item[0] == "abort":
-                if self.engine.abort(item[1]):
-                    self._streams.pop(item[1], None)
+                self._streams[request_id] = (loop, out)
+            elif item[0] == "give_up":
+                self._give_up(item[1], item[2])
             elif item[0] == "release":
                 self.engine.release_lease(item[1])
             elif item[0] == "stop":
                 return
+
+    def _give_up(self, request_id: str, lease: str | None) -> None:
+        """Its caller left before the last chunk. A request still queued or running is
+        aborted (an aborted request pins nothing); one that already finished, unread,
+        pinned its KV under `lease` for a reply nobody stored: unpinned."""
+        self._streams.pop(request_id, None)
+        if not self.engine.abort(request_id) and lease is not None:
+            self.engine.release_lease(lease)
 
     def _emit(self, request_id: str, chunk: Chunk, final: bool) -> None:
         target = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
