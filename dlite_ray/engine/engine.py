@@ -12,6 +12,7 @@ from dlite_ray.engine.boundary_store import BoundaryStore
 from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftTransport
 from dlite_ray.engine.engine_config import DTYPES, EngineConfig, normed_last_tap, tap_layers, verify_lengths
+from dlite_ray.engine.graph_runner import GraphConfig
 from dlite_ray.engine.loading import DraftFactory, default_draft_dir, load_corpus, load_draft, load_parts
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
@@ -68,11 +69,12 @@ class DLiteEngine:
         self.config = cfg
         self.target, self.tokenizer, self.draft = target, tokenizer, draft
         taps = tap_layers(draft, cfg.tap_layers, target.cfg.num_layers)
+        k, lookup_tokens = verify_lengths(draft, cfg)
+        graphs = GraphConfig(query_lens=(1, k + 1) if k else (1,)) if cfg.cuda_graphs else None
         self.runner = ModelRunner(target, taps, cfg.max_kv_tokens, cfg.block_size, cfg.attention_backend,
-                                  normed_last_tap=normed_last_tap(draft, cfg.normed_last_tap))
+                                  normed_last_tap=normed_last_tap(draft, cfg.normed_last_tap), graphs=graphs)
         self.eos_ids = _eos_ids(target, tokenizer)
         self.prompts = PromptEncoder(tokenizer, target.cfg.vocab_size, self.runner.max_context)
-        k, lookup_tokens = verify_lengths(draft, cfg)
         self.policy = SpeculationPolicy(k, adaptive=cfg.adaptive_draft_length)
         # earlier replies are copied within the lookup's limit: none where copying is off
         self.reply_cache = (ReplyCache(cfg.reply_cache_tokens, DEFAULT_REPLY_CACHE_NAMESPACES)

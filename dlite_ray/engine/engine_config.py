@@ -73,7 +73,10 @@ class EngineConfig:
     the context) verified next to a round's main proposal, as a tree (engine/candidate_tree.py;
     0 = off, the default; only where lookup_tokens > 0);
     tap_layers / normed_last_tap: target layers each forward returns and whether the last
-    one is final-normed (None: the draft's own; none without a draft)."""
+    one is final-normed (None: the draft's own; none without a draft);
+    cuda_graphs: decode and verify steps replayed from CUDA graphs per padded batch bucket
+    (engine/graph_runner.py); only on CUDA with an attention backend that is graph-safe,
+    elsewhere the flag is ignored (logged)."""
 
     target: str | Path | None = None
     draft: str | Path | None = "default"
@@ -94,6 +97,7 @@ class EngineConfig:
     boundary_capacity: int = DEFAULT_BOUNDARY_CAPACITY
     tap_layers: tuple[int, ...] | None = None
     normed_last_tap: bool | None = None
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         self.device = normalize_device(self.device)

@@ -8,16 +8,20 @@ tests, GPU checks) use `forward` / `commit` / `release`, which keep a pool of th
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from dlite_ray.engine.block_manager import BlockManager
+from dlite_ray.engine.graph_runner import GraphConfig, GraphRunner, is_graph_safe
 from dlite_ray.engine.sequence import InvalidRequest, Sequence
 from dlite_ray.runtime.attention import FLASH_ATTN_PAGE_MULTIPLE, build_attention_metadata, make_backend
 from dlite_ray.runtime.attention.metadata import tree_positions
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.target_model import ForwardBatch, TargetModel
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -47,8 +51,12 @@ class RowOutput:
 
 class ModelRunner:
     def __init__(self, target: TargetModel, tap_layers: tuple[int, ...], max_kv_tokens: int, block_size: int,
-                 attention_backend: str = "auto", enable_prefix_cache: bool = True, normed_last_tap: bool = False):
-        """normed_last_tap: the last layer's tap is taken after the final norm (see ForwardBatch)."""
+                 attention_backend: str = "auto", enable_prefix_cache: bool = True, normed_last_tap: bool = False,
+                 graphs: GraphConfig | None = None):
+        """normed_last_tap: the last layer's tap is taken after the final norm (see ForwardBatch);
+        graphs: decode and verify steps bucketed and padded (engine/graph_runner.py), as CUDA
+        graphs where `graphs.capture` and the backend is graph-safe on CUDA (else they run as
+        before, the reason logged); None: every step eager and unpadded."""
         self.target = target
         self.tap_layers = tap_layers
         self.normed_last_tap = normed_last_tap
@@ -59,11 +67,14 @@ class ModelRunner:
             block_size = FLASH_ATTN_PAGE_MULTIPLE
         num_blocks = -(-max_kv_tokens // block_size)
         self.num_blocks, self.block_size = num_blocks, block_size  # the pool's shape, for its owner
-        self.cache = PagedKVCache(target.cfg, num_blocks, block_size, self.dtype, self.device,
+        graphs = _usable(graphs, self.device, self.backend)
+        # A graph's padding rows write to one block past the pool handed out: never a sequence's.
+        self.cache = PagedKVCache(target.cfg, num_blocks + (graphs is not None), block_size, self.dtype, self.device,
                                   block_major=self.backend.block_major)
         self.max_context = target.cfg.max_position_embeddings
         self.enable_prefix_cache = enable_prefix_cache
         self._own_blocks: BlockManager | None = None  # only for drivers without a scheduler
+        self.graphs = GraphRunner(self, graphs, scratch_block=num_blocks) if graphs is not None else None
 
     def run(self, rows: list[RowInput], copies: list[tuple[int, int]] = ()) -> list[RowOutput]:
         """One ragged forward. Each row's block table already holds its new positions;
@@ -76,6 +87,8 @@ class ModelRunner:
             if end > self.max_context:
                 raise InvalidRequest(f"sequence of {end} tokens exceeds the model context of {self.max_context}")
             assert len(seq.block_table) * self.block_size >= end, "KV not reserved before the forward"
+        if self.graphs is not None and self.graphs.serves(rows):
+            return self.graphs.run(rows)
         batch = self._build_batch(rows)
         out = self.target(batch, self.cache, self.backend)
         counts = [r.num_outputs for r in rows]
@@ -150,3 +163,14 @@ class ModelRunner:
         """Keep the first `num_computed` positions (roll back the rest) in this runner's own pool."""
         seq.num_computed = num_computed
         self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, num_computed)
+
+
+def _usable(graphs: GraphConfig | None, device: torch.device, backend: object) -> GraphConfig | None:
+    """The graph config where it applies: capture needs CUDA and a graph-safe backend, so
+    elsewhere steps stay eager and unpadded (padding without a graph only costs)."""
+    if graphs is None or not graphs.capture:
+        return graphs
+    if device.type != "cuda" or not is_graph_safe(backend):
+        log.info("CUDA graphs off: the %s backend on %s is not graph-safe", getattr(backend, "name", backend), device)
+        return None
+    return graphs

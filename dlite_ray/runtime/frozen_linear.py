@@ -169,10 +169,54 @@ def large_calls_agree(kind: type[FrozenLinear], out_features: int, in_features: 
     """Whether calls of LARGE_CALL_ROWS rows give every row the bits EXACT_ROWS-row calls
     give it (random weights and inputs; once per process and shape). On the EPYC, SmolLM2's
     linears agree up to 2048 rows in bf16 and float32, so nothing is split there."""
+    return _calls_agree(kind, out_features, in_features, has_bias, dtype, device, LARGE_CALL_ROWS)
+
+
+@functools.cache
+def calls_agree(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool,
+                dtype: torch.dtype, device: torch.device, row_counts: tuple[int, ...]) -> bool:
+    """`large_calls_agree` for calls of `row_counts` rows (a graph runner's bucket sizes)."""
+    return _calls_agree(kind, out_features, in_features, has_bias, dtype, device, row_counts)
+
+
+def _calls_agree(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool,
+                 dtype: torch.dtype, device: torch.device, row_counts: tuple[int, ...]) -> bool:
     linear, randn = _probe(kind, out_features, in_features, has_bias, dtype, device, seed=1)
-    x = randn(max(LARGE_CALL_ROWS), in_features)
+    x = randn(max(row_counts), in_features)
     pieces = torch.cat([linear(x[i:i + EXACT_ROWS]) for i in range(0, len(x), EXACT_ROWS)])
-    return all(torch.equal(linear(x[:rows]), pieces[:rows]) for rows in LARGE_CALL_ROWS)
+    return all(torch.equal(linear(x[:rows]), pieces[:rows]) for rows in row_counts)
+
+
+def cover_row_counts(module: nn.Module, row_counts: tuple[int, ...]) -> int:
+    """Extend the probes of every probed linear in `module` (frozen) to calls of
+    `row_counts` rows, each over EXACT_ROWS: a CUDA graph fixes a step's row count to its
+    bucket's, which LARGE_CALL_ROWS may not include. A linear whose calls of one of them
+    round a row unlike EXACT_ROWS-row calls is split into EXACT_ROWS-row calls from then
+    on. -> how many linears were split."""
+    if not row_counts:
+        return 0
+    split = 0
+    for linear in frozen_linears(module):
+        if type(linear) is RowLinear or linear.max_rows <= EXACT_ROWS:
+            continue  # row-exact by construction, or already split
+        key = (type(linear), linear.out_features, linear.weight.shape[1], linear.bias is not None,
+               linear.weight.dtype, linear.weight.device)
+        if not calls_agree(*key, tuple(row_counts)):
+            linear.max_rows = EXACT_ROWS
+            split += 1
+    return split
+
+
+def frozen_linears(module: nn.Module) -> list[FrozenLinear]:
+    """Every FrozenLinear in a frozen module: the fused ones its submodules hold (q/k/v,
+    gate/up) and those standing in for an nn.Linear's forward."""
+    found: dict[int, FrozenLinear] = {}
+    for sub in module.modules():
+        candidates = [getattr(sub, "forward", None)] if isinstance(sub, nn.Linear) else list(vars(sub).values())
+        for value in candidates:
+            if isinstance(value, FrozenLinear):
+                found[id(value)] = value
+    return list(found.values())
 
 
 def _probe(kind: type[FrozenLinear], out_features: int, in_features: int, has_bias: bool, dtype: torch.dtype,
