@@ -10,6 +10,14 @@ hash in an LRU list until a fresh block is needed. Only full, committed blocks a
 shared, so a sequence only ever writes into blocks it owns alone; a shared block handed
 to a writer is copied first (`copy_on_write`).
 
+Tenants: a chain starts from its namespace's seed (`prefix_seed`), so a tenant's blocks
+are found only by the same tenant. A reply reports its cached prompt tokens, and a cache
+hit shortens its time to first token: a cache shared across tenants would tell tenant B
+whether anyone had sent a prompt B guessed. Seeding the chain closes both channels (a
+report filtered to the caller's own prefixes would still leave the timing); its cost is
+that tenants no longer share the KV of a common prefix (a system prompt is prefilled once
+per tenant, not once per replica).
+
 Placement: a sequence grows into the block after its last one when that is free, and a
 new run starts where it leaves room for the runs before it to grow (`_new_run_start`).
 CPU attention reads a sequence whose blocks are consecutive as one view of the cache and
@@ -29,6 +37,11 @@ class OutOfBlocks(RuntimeError):
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
+
+
+def prefix_seed(namespace: str | None) -> int | None:
+    """Where a namespace's (a tenant's) hash chains start; None: the engine-wide namespace."""
+    return None if namespace is None else hash(("prefix-namespace", namespace))
 
 
 @dataclass(slots=True)
@@ -87,11 +100,12 @@ class BlockManager:
             self.copy_on_write(table, first)
         self.ensure_capacity(table, end)
 
-    def commit(self, table: list[int], hashes: list[int], tokens: list[int], num_computed: int) -> None:
+    def commit(self, table: list[int], hashes: list[int], tokens: list[int], num_computed: int,
+               seed: int | None = None) -> None:
         """Keep the blocks of the first `num_computed` positions (roll back the rest) and
-        publish the full ones to the prefix cache."""
+        publish the full ones to the prefix cache (chained from `seed`, `prefix_seed`)."""
         self.crop(table, num_computed)
-        self.register_full_blocks(table, hashes, tokens, num_computed)
+        self.register_full_blocks(table, hashes, tokens, num_computed, seed)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """(src, dst) block copies made since the last call, for whoever moves the tensors."""
@@ -106,10 +120,12 @@ class BlockManager:
         return self._ref_counts[block]
 
     # -- prefix cache -------------------------------------------------------------------------
-    def match_prefix(self, tokens: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
-        """Longest chain of cached full blocks starting `tokens`, covering at most
-        `max_tokens`; the blocks are referenced for the caller. Returns (blocks, hashes)."""
-        blocks, hashes, parent = [], [], None
+    def match_prefix(self, tokens: list[int], max_tokens: int, seed: int | None = None
+                     ) -> tuple[list[int], list[int]]:
+        """Longest chain from `seed` (`prefix_seed`) of cached full blocks starting `tokens`,
+        covering at most `max_tokens`; the blocks are referenced for the caller. Returns
+        (blocks, hashes)."""
+        blocks, hashes, parent = [], [], seed
         if not self.enable_prefix_cache:
             return blocks, hashes
         bs = self.block_size
@@ -125,7 +141,8 @@ class BlockManager:
             parent = h
         return blocks, hashes
 
-    def register_full_blocks(self, table: list[int], hashes: list[int], tokens: list[int], num_committed: int) -> None:
+    def register_full_blocks(self, table: list[int], hashes: list[int], tokens: list[int], num_committed: int,
+                             seed: int | None = None) -> None:
         """Publish every full block of committed tokens not published yet (extends `hashes`).
         Only blocks whose tokens are all known: KV may run past `tokens` when a request
         stopped inside a round (accepted drafts after its EOS are computed, not kept)."""
@@ -134,7 +151,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), min(num_committed, len(tokens)) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            h = chain_hash(hashes[-1] if hashes else seed, chunk)
             hashes.append(h)
             block = table[i]
             if h not in self._by_hash and block not in self._content:

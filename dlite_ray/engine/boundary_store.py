@@ -9,12 +9,17 @@ or draft fingerprint is never used.
 Leases: a paused conversation's boundary can be saved under a lease name. A leased entry
 is outside the LRU capacity and is given up only when released (lease expiry, delete) or,
 as a last resort, under memory pressure; then its name is reported by `take_evicted_leases`
-so the server can tell the router the conversation must re-prefill elsewhere.
+so the server can tell the router the conversation must re-prefill elsewhere. Pressure
+takes a lease of the namespace (tenant) holding the most, its oldest first: one tenant's
+many long leases push out its own, not everyone else's.
+
+Namespaces: an entry is found only by the namespace (tenant) that saved it, as the prefix
+cache's chains are (block_manager.py says why).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +43,7 @@ class Boundary:
     blocks: list[int]  # pinned KV blocks holding `tokens`
     block_hashes: list[int]
     lease: str | None = None
+    namespace: str | None = None  # the tenant that saved it, the only one that may take it
 
 
 class BoundaryStore:
@@ -57,7 +63,8 @@ class BoundaryStore:
         return list(self._leases)
 
     def save(self, tokens: list[int], num_computed: int, pivot_features: torch.Tensor | None, block_table: list[int],
-             block_hashes: list[int], target_fp: str, draft_fp: str, lease: str | None = None) -> None:
+             block_hashes: list[int], target_fp: str, draft_fp: str, lease: str | None = None,
+             namespace: str | None = None) -> None:
         """Keep a finished sequence's KV + anchor + features; under `lease`, until released
         (a lease holds one boundary: its conversation's latest)."""
         if lease is not None:
@@ -65,13 +72,13 @@ class BoundaryStore:
         if num_computed == 0 or num_computed != len(tokens) - 1:
             return  # only a sequence whose KV holds everything but its anchor
         kv_tokens = tuple(tokens[:num_computed])
-        key = hash(kv_tokens)
+        key = hash((namespace, kv_tokens))
         self._drop(key)
         used = self.blocks.blocks_needed(num_computed)
         for b in block_table[:used]:
             self.blocks.hold(b)
         self._entries[key] = Boundary(FeatureVersion(target_fp, draft_fp, num_computed), kv_tokens, tokens[-1],
-                                      pivot_features, list(block_table[:used]), list(block_hashes), lease)
+                                      pivot_features, list(block_table[:used]), list(block_hashes), lease, namespace)
         if lease is not None:
             self._leases[lease] = key
             if lease in self._evicted_leases:  # its older boundary went, this newer one is pinned
@@ -92,13 +99,14 @@ class BoundaryStore:
         self._entries[key].lease = None
         return True
 
-    def take(self, tokens: list[int], target_fp: str, draft_fp: str) -> Boundary | None:
-        """The boundary for exactly tokens[:-1], if one with this version is stored. The
-        caller receives one reference to each block (the store keeps its own)."""
+    def take(self, tokens: list[int], target_fp: str, draft_fp: str, namespace: str | None = None
+             ) -> Boundary | None:
+        """The boundary `namespace` saved for exactly tokens[:-1], if one with this version
+        is stored. The caller receives one reference to each block (the store keeps its own)."""
         kv_tokens = tuple(tokens[:-1])
-        key = hash(kv_tokens)
+        key = hash((namespace, kv_tokens))
         entry = self._entries.get(key)
-        if entry is None or entry.tokens != kv_tokens:
+        if entry is None or entry.tokens != kv_tokens or entry.namespace != namespace:
             return None
         if entry.version != FeatureVersion(target_fp, draft_fp, len(kv_tokens)):
             self.stale += 1
@@ -111,12 +119,17 @@ class BoundaryStore:
         return entry
 
     def evict_oldest(self) -> bool:
-        """Free memory: the least recently used unleased boundary, else (pressure) a leased one."""
-        return self._drop_oldest(leased=False) or self._drop_oldest(leased=True)
+        """Free memory: the least recently used unleased boundary, else (pressure) the
+        oldest lease of the namespace holding the most leases."""
+        return self._drop_oldest(leased=False) or self._drop_oldest(leased=True, namespace=self._most_leased())
 
-    def _drop_oldest(self, leased: bool) -> bool:
+    def _most_leased(self) -> str | None:
+        counts = Counter(self._entries[key].namespace for key in self._leases.values())
+        return max(counts, key=counts.__getitem__) if counts else None  # ties: the first to lease
+
+    def _drop_oldest(self, leased: bool, namespace: str | None = None) -> bool:
         for key, entry in self._entries.items():
-            if (entry.lease is not None) == leased:
+            if (entry.lease is not None) == leased and (not leased or entry.namespace == namespace):
                 self._drop(key)
                 return True
         return False

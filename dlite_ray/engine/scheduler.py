@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from dlite_ray.engine.block_manager import BlockManager
+from dlite_ray.engine.block_manager import BlockManager, prefix_seed
 from dlite_ray.engine.boundary_store import BoundaryStore
 from dlite_ray.engine.sequence import FINISH_ABORT, InvalidRequest, Sequence, Status
 
@@ -95,14 +95,14 @@ class Scheduler:
         """First KV for a sequence: a stored boundary (no recompute), else the prefix cache."""
         reuse = self.reuse
         if self.boundaries is not None and reuse.resume_boundaries:
-            b = self.boundaries.take(seq.token_ids, reuse.target_fingerprint, reuse.draft_fingerprint)
+            b = self.boundaries.take(seq.token_ids, reuse.target_fingerprint, reuse.draft_fingerprint, seq.namespace)
             if b is not None:
                 seq.block_table, seq.block_hashes = list(b.blocks), list(b.block_hashes)
                 seq.num_computed, seq.pivot_features = len(b.tokens), b.pivot_features
                 seq.stats.resumed_from_boundary = True
                 return
         need = len(seq.token_ids) - 1
-        seq.block_table, seq.block_hashes = self.blocks.match_prefix(seq.token_ids, need)
+        seq.block_table, seq.block_hashes = self.blocks.match_prefix(seq.token_ids, need, prefix_seed(seq.namespace))
         seq.num_computed = len(seq.block_table) * self.blocks.block_size
         if seq.num_computed == need and need > 0 and reuse.recompute_pivot:
             seq.num_computed -= 1  # recompute the pivot: its features are not cached
@@ -112,7 +112,8 @@ class Scheduler:
         """After the step ran: each row's KV is cropped to what it kept (`num_computed`) and
         its full blocks are published; finished requests are finished."""
         for seq in [s for s, _ in schedule.prefills] + schedule.decodes:
-            self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed)
+            self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed,
+                               prefix_seed(seq.namespace))
             if seq.is_finished:
                 self._finish(seq)
 
@@ -137,10 +138,12 @@ class Scheduler:
                 # stopped inside a round: drop the KV of drafts after the stop; the pivot
                 # features were for a later position, so the boundary keeps KV only
                 seq.num_computed = len(seq.token_ids) - 1
-                self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed)
+                self.blocks.commit(seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed,
+                                   prefix_seed(seq.namespace))
                 seq.pivot_features = None
             self.boundaries.save(seq.token_ids, seq.num_computed, seq.pivot_features, seq.block_table,
-                                 seq.block_hashes, self.reuse.target_fingerprint, self.reuse.draft_fingerprint, lease)
+                                 seq.block_hashes, self.reuse.target_fingerprint, self.reuse.draft_fingerprint, lease,
+                                 seq.namespace)
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
