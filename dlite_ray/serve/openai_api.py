@@ -10,6 +10,7 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
+from contextlib import ExitStack
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,9 +30,9 @@ from dlite_ray.serve.openai_requests import (
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
 from dlite_ray.serve.request_limits import idempotency_key
 from dlite_ray.serve.request_types import ParsedRequest
-from dlite_ray.serve.tenant_limits import TenantSlot
 from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
 from dlite_ray.serve.worker_messages import GenerateChunk
+from dlite_ray.serve.worker_probe import health
 
 # no /docs, /redoc or /openapi.json: the API is documented in the repository, not served unauthenticated
 app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI-compatible",
@@ -43,10 +44,10 @@ class OpenAIRoutes:
 
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        """Open to all, so it says only whether a TargetWorker answers (503 when none does)."""
-        if await self.probe.stats() is None:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """Open to all, so it says only whether a TargetWorker answers (503 when none does) and,
+        when it serves without its draft, which replica and why (`worker_probe.health`)."""
+        body = health(await self.probe.stats())
+        return JSONResponse(body, status_code=503 if body["status"] == "unavailable" else 200)
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -74,27 +75,24 @@ class OpenAIRoutes:
         return await self._http(request, parse_completion, chat=False)
 
     async def _http(self, request: Request, parse, chat: bool):
-        slot: TenantSlot | None = None
-        try:
-            tenant = self.keys.tenant(request.headers.get("authorization"))
-            parsed = await self._parse(request, parse)
-            slot = self.tenant_limits.acquire(tenant)
-            # the replica that runs it validates it: a refused request is a 4xx, not a 200 stream that fails
-            chunks, cancel = await self._start(parsed.prompt, parsed.params, tenant=tenant)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
-            if slot is not None:
-                slot.release()
-            return self._error_response(exc)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if parsed.stream:
-            body = self._sse(rid, parsed, chat, slot, chunks)
-            # A client gone before the server starts the stream leaves the generator unstarted, so
-            # its finally never runs; releasing when the generator is collected covers that case.
-            weakref.finalize(body, slot.release)
-            weakref.finalize(body, cancel)  # a no-op once the reply finished
-            return StreamingResponse(body, media_type="text/event-stream")
-        text, finish, stats, n, logprobs = "", None, None, 0, []
-        with slot:
+        # What the request holds (its tenant slot, its worker stream) is released in one
+        # place, however the request ends: an error, the reply's end, or a cancellation
+        # (a client gone or Serve's request timeout before the first token raises
+        # CancelledError, which no `except Exception` sees). A streamed reply takes it over.
+        with ExitStack() as held:
+            try:
+                tenant = self.keys.tenant(request.headers.get("authorization"))
+                parsed = await self._parse(request, parse)
+                held.callback(self.tenant_limits.acquire(tenant).release)
+                # the replica that runs it validates it: a refused request is a 4xx, not a 200 stream that fails
+                chunks, cancel = await self._start(parsed.prompt, parsed.params, tenant=tenant)
+                held.callback(cancel)  # a no-op once the reply finished
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a typed error response
+                return self._error_response(exc)
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+            if parsed.stream:
+                return self._streaming_response(rid, parsed, chat, held.pop_all(), chunks)
+            text, finish, stats, n, logprobs = "", None, None, 0, []
             try:
                 async for chunk in chunks:
                     text += chunk.text
@@ -113,11 +111,20 @@ class OpenAIRoutes:
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
 
-    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, slot: TenantSlot,
+    def _streaming_response(self, rid: str, parsed: ParsedRequest, chat: bool, held: ExitStack,
+                            chunks: AsyncIterator[GenerateChunk]) -> StreamingResponse:
+        body = self._sse(rid, parsed, chat, held, chunks)
+        # A client gone before the server starts the stream leaves the generator unstarted, so
+        # its finally never runs; releasing when the generator is collected covers that case
+        # (ExitStack.close is idempotent: what it released once it does not release again).
+        weakref.finalize(body, held.close)
+        return StreamingResponse(body, media_type="text/event-stream")
+
+    async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, held: ExitStack,
                    chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
-        """The SSE body of a reply already accepted (`chunks`); it owns the tenant slot,
-        released however the stream ends (a client disconnect cancels or closes this
-        generator, which runs the finally)."""
+        """The SSE body of a reply already accepted (`chunks`); it owns what the request
+        holds (`held`: the tenant slot, the worker stream), released however the stream
+        ends (a client disconnect cancels or closes this generator, which runs the finally)."""
         text_offset = 0  # a completion stream's logprob offsets run on from chunk to chunk
         n, stats = 0, None
         first = chat  # a chat stream's first delta names the role, as OpenAI's do
@@ -138,7 +145,7 @@ class OpenAIRoutes:
             err = as_serve_error(exc)
             yield f"data: {json.dumps(openai_error_body(err))}\n\n"
         finally:
-            slot.release()
+            held.close()
             await chunks.aclose()
         yield "data: [DONE]\n\n"
 
