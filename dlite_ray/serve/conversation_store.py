@@ -115,12 +115,15 @@ class ConversationStore:
     def renew_turn(self, tenant: str, conversation_id: str, version: int, claim_s: float,
                    now: float | None = None) -> float:
         """Push the claim of turn `version` to `claim_s` from now; its new deadline. A claim
-        that ended while nobody took over is claimed again (its holder is evidently alive).
-        ConversationBusy when another turn took over, or this one finished."""
+        that ended (deadline passed, holder judged gone) while nobody took over is claimed
+        again (its holder is evidently alive). ConversationBusy when another turn took over,
+        or this one finished, was abandoned or refused: a renewal that arrives after its
+        turn gave up must not claim the conversation back (retries would get 409)."""
         now = time.time() if now is None else now
         with self._lock:
             conv = self._load(tenant, conversation_id)
-            if conv.version != version or conv.state not in (GENERATING, EVICTED):
+            ended_claim = conv.state == EVICTED and conv.claim_deadline is not None
+            if conv.version != version or not (conv.state == GENERATING or ended_claim):
                 raise ConversationBusy(f"turn {version} of {conversation_id} no longer holds it")
             self._db.execute("UPDATE conversations SET state = ?, claim_deadline = ? WHERE id = ?",
                              (GENERATING, now + claim_s, conv.id))
@@ -152,7 +155,7 @@ class ConversationStore:
             conv = self._load(tenant, conversation_id)
             if version is not None and (conv.version != version or conv.state != GENERATING):
                 return False
-            self._release(conv)
+            self._release(conv, claim_ended=False)
             return True
 
     def refuse_turn(self, tenant: str, conversation_id: str, version: int, messages: list[dict[str, str]]) -> bool:
@@ -241,9 +244,14 @@ class ConversationStore:
                 self._release(_row(row))
             return [_row(r) for r in rows]
 
-    def _release(self, conv: Conversation) -> None:
+    def _release(self, conv: Conversation, claim_ended: bool = True) -> None:
+        """Evicted, history kept. A turn claim that ended by its deadline or its holder's
+        loss (`claim_ended`) keeps its passed deadline: the mark that its holder's late
+        renewal may take it back (`renew_turn`); an abandoned turn's claim is cleared."""
         conv.state, conv.replica, conv.lease_deadline = EVICTED, None, None
-        conv.claim_holder = conv.claim_deadline = None
+        conv.claim_holder = None
+        if not claim_ended:
+            conv.claim_deadline = None
         self._save(conv)
 
     def _turn_key(self, conversation_id: str, key: str | None) -> tuple | None:
