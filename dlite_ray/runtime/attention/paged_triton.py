@@ -7,8 +7,8 @@ read from the block-major cache through its block table, in two kernels.
    order through the block table; the GQA group's query heads share the program, so each
    key is read once per KV head. It writes the chunk's running max, sum of exponentials and
    unnormalised output, in float32.
-2. `_combine_chunks`, one program per (row, query head): merges the row's chunks in
-   position order, c = 0, 1, ..., and writes the output row.
+2. `_combine_chunks`, one program per row: merges the row's chunks in position order,
+   c = 0, 1, ..., for all its heads at once (elementwise), and writes the output row.
 
 A row's bits thus depend on its query, its keys and its position, not on which rows share
 the launch nor on how many the grid holds (programs past a row's last chunk do nothing),
@@ -92,26 +92,30 @@ def _chunk_partials(Q, K, V, Tokens, Seqlens, Tables, M, L, Acc,
 @triton.jit
 def _combine_chunks(M, L, Acc, Out, Tokens, Seqlens,
                     stride_mr, stride_mh, stride_ar, stride_ah, stride_ac, stride_ot, stride_oh,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    row, head = tl.program_id(0), tl.program_id(1)
+                    HEADS: tl.constexpr, H_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    row = tl.program_id(0)
     seqlen = tl.load(Seqlens + row)
+    h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
-    stats = M + row * stride_mr + head * stride_mh
-    sums = L + row * stride_mr + head * stride_mh
-    parts = Acc + row * stride_ar + head * stride_ah + d
-    m = tl.load(stats)  # chunk 0, which every row has
-    l_sum = tl.load(sums)
-    acc = tl.load(parts, mask=d_ok, other=0.0)
+    h_ok = h < HEADS
+    hd_ok = h_ok[:, None] & (d < HEAD_DIM)[None, :]
+    stats = M + row * stride_mr + h * stride_mh  # [H_PAD]
+    sums = L + row * stride_mr + h * stride_mh
+    parts = Acc + row * stride_ar + h[:, None] * stride_ah + d[None, :]  # [H_PAD, D_PAD]
+    m = tl.load(stats, mask=h_ok, other=0.0)  # chunk 0, which every row has
+    l_sum = tl.load(sums, mask=h_ok, other=1.0)
+    acc = tl.load(parts, mask=hd_ok, other=0.0)
     for c in range(1, tl.cdiv(seqlen, CHUNK)):  # in position order: the row's bits fix the order
-        m_c = tl.load(stats + c)
+        m_c = tl.load(stats + c, mask=h_ok, other=0.0)
         m_new = tl.maximum(m, m_c)
         alpha, beta = tl.exp(m - m_new), tl.exp(m_c - m_new)
-        l_sum = l_sum * alpha + tl.load(sums + c) * beta
-        acc = acc * alpha + tl.load(parts + c * stride_ac, mask=d_ok, other=0.0) * beta
+        l_sum = l_sum * alpha + tl.load(sums + c, mask=h_ok, other=1.0) * beta
+        acc = acc * alpha[:, None] + tl.load(parts + c * stride_ac, mask=hd_ok, other=0.0) * beta[:, None]
         m = m_new
     token = tl.load(Tokens + row).to(tl.int64)
-    tl.store(Out + token * stride_ot + head * stride_oh + d, (acc / l_sum).to(Out.dtype.element_ty), mask=d_ok)
+    out = Out + token * stride_ot + h[:, None] * stride_oh + d[None, :]
+    tl.store(out, (acc / l_sum[:, None]).to(Out.dtype.element_ty), mask=hd_ok)
 
 
 def interpreting() -> bool:
@@ -164,8 +168,9 @@ def combine_chunk_partials(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tens
     the row's token."""
     rows, hq, _, dh = acc.shape
     assert out.stride(-1) == 1 and m.stride() == l_sum.stride()
-    _combine_chunks[(rows, hq)](
+    _combine_chunks[(rows,)](
         m, l_sum, acc, out, tokens, seqlens,
         m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
-        HEAD_DIM=dh, D_PAD=max(_MIN_DOT, triton.next_power_of_2(dh)), CHUNK=chunk)
+        HEADS=hq, H_PAD=triton.next_power_of_2(hq), HEAD_DIM=dh, D_PAD=max(_MIN_DOT, triton.next_power_of_2(dh)),
+        CHUNK=chunk)
     return out
