@@ -46,6 +46,10 @@ class EngineArgs(BaseModel):
         True, description="run the draft in its own actor (bundle 1) over torch.distributed")
     draft_timeout_s: float = Field(
         30.0, gt=0, description="a draft round slower than this fails over to plain decoding")
+    draft_max_join_failures: int = Field(
+        3, ge=1, description="failed attempts in a row to join the draft actor after which the replica reports "
+                             "itself degraded (/healthz, GetStats, dlite_replica_degraded); it keeps decoding "
+                             "without speculation and keeps trying")
     draft_payload: Literal["dist", "host"] = Field(
         "dist", description="how a round's tensors reach the draft actor: 'dist' over torch.distributed (NCCL, one "
                             "GPU each; gloo on CPU), 'host' through host memory on the control socket (target and "
@@ -108,6 +112,11 @@ class AppArgs(BaseModel):
     conversations: ConversationArgs = Field(default_factory=ConversationArgs, description="the conversation registry")
     api_keys_file: str | None = Field(None, description="file of 'key tenant' lines; none = local single-tenant mode")
     api_keys_env: str | None = Field("DLITE_API_KEYS", description="env var of 'key:tenant,...' pairs")
+    require_draft: bool = Field(
+        False, description="a TargetWorker whose draft has not joined (degraded, see "
+                           "engine.draft_max_join_failures) fails its health check, so Serve routes nothing to it "
+                           "and replaces it; false: it serves, decoding without speculation, and reports itself "
+                           "degraded")
     model_name: str = Field("dlite-smollm2-135m", description="the model id served in /v1/models")
     num_replicas: int | None = Field(1, ge=1, description="fixed TargetWorker replicas (ignored with autoscaling)")
     autoscaling: dict | None = Field(None, description="Serve autoscaling_config for TargetWorker pairs")

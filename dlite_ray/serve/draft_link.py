@@ -19,7 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine_config import normalize_device
-from dlite_ray.serve.draft_process import PairLink
+from dlite_ray.serve.draft_process import DEFAULT_MAX_JOIN_FAILURES, PairLink
 from dlite_ray.serve.draft_worker import DraftWorker
 from dlite_ray.serve.pair_channels import PayloadKind
 
@@ -69,7 +69,8 @@ class ActorLauncher:
 
 class DraftLink(PairLink):
     def __init__(self, info: DraftInfo, vocab_size: int, target_path: str, draft_path: str, num_target_layers: int,
-                 dtype: str, device: str, timeout_s: float, cpu_threads: int, payload: PayloadKind = "dist"):
+                 dtype: str, device: str, timeout_s: float, cpu_threads: int, payload: PayloadKind = "dist",
+                 max_join_failures: int = DEFAULT_MAX_JOIN_FAILURES):
         """payload "dist": a GPU pair has one GPU each (bundles 0 and 1), tensors go straight
         over NCCL; "host": the two share one GPU (half each) and stage tensors through host
         memory."""
@@ -77,7 +78,7 @@ class DraftLink(PairLink):
         spec = (target_path, draft_path, num_target_layers, dtype, device, cpu_threads)
         super().__init__(info, vocab_size, ActorLauncher(spec, gpu_share),
                          device=torch.device(normalize_device(device)), payload=payload,
-                         timeout_s=timeout_s, join_timeout_s=JOIN_TIMEOUT_S)
+                         timeout_s=timeout_s, join_timeout_s=JOIN_TIMEOUT_S, max_join_failures=max_join_failures)
 
     def kill_actor(self) -> None:
         """Fault injection for tests and drills (TargetWorker.kill_draft)."""

@@ -31,6 +31,9 @@ from dlite_ray.serve.dist_transport import DraftServer, PairTransport
 from dlite_ray.serve.pair_channels import PayloadKind
 
 log = logging.getLogger(__name__)
+# failed joins in a row before a pair reports itself degraded (a cold draft actor may take
+# one join timeout to load; three rule out a slow start)
+DEFAULT_MAX_JOIN_FAILURES = 3
 DraftFactory = Callable[[torch.device], DLiteDraftModel]
 
 
@@ -51,14 +54,23 @@ class PairLink:
     """DraftTransport to a draft process that restarts and reconnects behind the scenes.
 
     `connected` is true only while the last round or heartbeat succeeded; `restarts`
-    counts reconnections after a failure (what GetStats and /metrics report)."""
+    counts reconnections after a failure, `join_failures` the attempts to join a draft that
+    failed, `rounds_without_draft` the rounds it could not serve (what GetStats and
+    /metrics report). After `max_join_failures` failed attempts in a row the pair is
+    `degraded_reason`: it decodes without speculation until a draft joins, and says so."""
 
     def __init__(self, info: DraftInfo, vocab_size: int, launcher: DraftLauncher, *,
                  device: torch.device | str = "cpu", payload: PayloadKind = "dist", timeout_s: float = 30.0,
                  group_timeout_s: float | None = None, join_timeout_s: float = 60.0, heartbeat_s: float = 5.0,
-                 retry_s: float = 5.0, authkey: bytes | None = None):
+                 retry_s: float = 5.0, authkey: bytes | None = None,
+                 max_join_failures: int = DEFAULT_MAX_JOIN_FAILURES):
         self.info, self.vocab_size = info, vocab_size
         self.restarts = 0
+        self.join_failures = 0  # every failed attempt to join a draft
+        self.rounds_without_draft = 0  # rounds `propose` could not serve (the engine decoded them plainly)
+        self.max_join_failures = max_join_failures
+        self._failed_in_a_row = 0  # since the last join
+        self._last_join_error = ""
         self.cpu_threads: int | None = None  # what the connected draft process runs on
         self._launcher = launcher
         self._connect_kwargs = {"vocab_size": vocab_size, "payload": payload, "device": torch.device(device),
@@ -84,13 +96,29 @@ class PairLink:
         transport = self._transport
         return self._past_comm_time + (transport.comm_time if transport else 0.0)
 
+    @property
+    def degraded_reason(self) -> str | None:
+        """Why this pair cannot speculate, once no draft has joined `max_join_failures`
+        times in a row; None while connected or still within the bound."""
+        failed = self._failed_in_a_row
+        if self.connected or failed < self.max_join_failures:
+            return None
+        return f"no draft has joined in {failed} attempts in a row; decoding without speculation"
+
+    @property
+    def last_join_error(self) -> str:
+        """Why the last attempt to join failed (operators only: it may name hosts)."""
+        return self._last_join_error
+
     def propose(self, request: DraftRequest) -> DraftProposal:
         transport = self._transport
         if transport is None or not transport.healthy:
+            self.rounds_without_draft += 1
             raise DraftUnavailable("draft process not connected (yet)")
         try:
             return transport.propose(request)
         except DraftUnavailable:
+            self.rounds_without_draft += 1
             self._lost(transport)
             raise
 
@@ -140,7 +168,7 @@ class PairLink:
                 try:
                     transport = self._join()
                 except Exception as exc:  # noqa: BLE001 - keep serving plainly; a fresh draft next
-                    log.warning("could not connect the draft process: %s", exc)
+                    self._join_failed(exc)
                     if fresh:
                         self._closed.wait(self._retry_s)
                     fresh = True
@@ -148,6 +176,7 @@ class PairLink:
                 with self._lock:
                     if not self._closed.is_set():
                         self._transport, transport = transport, None
+                        self._failed_in_a_row = 0
                 if transport is not None:  # closed meanwhile
                     transport.close()
                 return
@@ -156,6 +185,15 @@ class PairLink:
                 self._connecting = False
             if self._closed.is_set():
                 self._launcher.close()  # a draft this thread started while the link closed
+
+    def _join_failed(self, exc: Exception) -> None:
+        self.join_failures += 1
+        self._failed_in_a_row += 1
+        self._last_join_error = f"{type(exc).__name__}: {exc}"[:200]
+        if self._failed_in_a_row == self.max_join_failures:
+            log.error("draft pair degraded: %s (last: %s)", self.degraded_reason, self._last_join_error)
+        else:
+            log.warning("could not connect the draft process: %s", exc)
 
     def _join(self) -> PairTransport:
         address = self._launcher.address(self._authkey)

@@ -36,6 +36,7 @@ def _draft_link(args: EngineArgs):
     def make(draft_path: Path, info: DraftInfo, target: TargetModel, target_path: Path,
              config: EngineConfig) -> DraftLink:
         return DraftLink(info, target.cfg.vocab_size, str(target_path), str(draft_path), target.cfg.num_layers,
-                         config.dtype, args.device, args.draft_timeout_s, args.draft_cpu_threads, args.draft_payload)
+                         config.dtype, args.device, args.draft_timeout_s, args.draft_cpu_threads, args.draft_payload,
+                         max_join_failures=args.draft_max_join_failures)
 
     return make

@@ -15,6 +15,7 @@ from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.proto_convert import proto_chunk, proto_conversation
 from dlite_ray.serve.request_limits import check_grpc_request, idempotency_key
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
+from dlite_ray.serve.worker_probe import health
 
 
 class GrpcMethods:
@@ -47,7 +48,7 @@ class GrpcMethods:
             if full:
                 self.keys.ops_tenant(authorization)
             stats = await self.probe.stats()
-            body = {"status": "ok" if stats is not None else "unavailable"}
+            body = health(stats)
             if full:
                 body |= {"worker": asdict(stats) if stats is not None else None, "ingress": self.metrics.snapshot()}
             return dlite_pb2.ServerStats(json=json.dumps(body))

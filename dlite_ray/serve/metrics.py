@@ -25,9 +25,19 @@ class Metrics:
         self.kv_total = Gauge("dlite_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.running = Gauge("dlite_running_requests", "requests in the running batch", registry=r)
         self.comm_time = Gauge("dlite_draft_comm_seconds", "target<->draft communication time", registry=r)
-        self.draft_connected = Gauge("dlite_draft_connected",
-                                     "1 while the draft answered its last round or heartbeat", registry=r)
-        self.draft_restarts = Gauge("dlite_draft_restarts", "reconnections of the draft after a failure", registry=r)
+        # per replica: a probe reaches one replica at a time, and one pair without its draft
+        # must not read as the whole app's
+        self.draft_connected = Gauge("dlite_draft_connected", "1 while the draft answered its last round or heartbeat",
+                                     ["replica"], registry=r)
+        self.draft_restarts = Gauge("dlite_draft_restarts", "reconnections of the draft after a failure", ["replica"],
+                                    registry=r)
+        self.draft_join_failures = Gauge("dlite_draft_join_failures", "failed attempts to join a draft (cumulative)",
+                                         ["replica"], registry=r)
+        self.rounds_without_draft = Gauge("dlite_rounds_without_draft",
+                                          "rounds decoded plainly because the draft could not serve them (cumulative)",
+                                          ["replica"], registry=r)
+        self.degraded = Gauge("dlite_replica_degraded", "1 while the replica cannot speculate (its draft never "
+                              "joined or stays gone)", ["replica"], registry=r)
         self.reply_cache_tokens = Gauge("dlite_reply_cache_tokens",
                                         "tokens of earlier replies held for copying (every tenant)", registry=r)
         self.reply_cache_replies = Gauge("dlite_reply_cache_replies", "earlier replies held for copying", registry=r)
@@ -55,8 +65,12 @@ class Metrics:
         self.kv_total.set(stats.kv_blocks_total)
         self.running.set(stats.running)
         self.comm_time.set(stats.draft_comm_time_s)
-        self.draft_connected.set(1 if stats.draft_connected else 0)
-        self.draft_restarts.set(stats.draft_restarts)
+        replica = stats.replica
+        self.draft_connected.labels(replica).set(1 if stats.draft_connected else 0)
+        self.draft_restarts.labels(replica).set(stats.draft_restarts)
+        self.draft_join_failures.labels(replica).set(stats.draft_join_failures)
+        self.rounds_without_draft.labels(replica).set(stats.rounds_without_draft)
+        self.degraded.labels(replica).set(0 if stats.degraded is None else 1)
         self.reply_cache_tokens.set(stats.reply_cache_tokens)
         self.reply_cache_replies.set(stats.reply_cache_replies)
         self.reply_corpus_tokens.set(stats.reply_corpus_tokens)

@@ -92,7 +92,14 @@ class TargetWorker:
                            draft_restarts=getattr(draft, "restarts", 0),
                            draft_comm_time_s=getattr(draft, "comm_time", 0.0),
                            cpu_threads=torch.get_num_threads(),
-                           draft_cpu_threads=getattr(draft, "cpu_threads", None))
+                           draft_cpu_threads=getattr(draft, "cpu_threads", None),
+                           draft_join_failures=getattr(draft, "join_failures", 0),
+                           rounds_without_draft=getattr(draft, "rounds_without_draft", 0),
+                           degraded=self.degraded_reason())
+
+    def degraded_reason(self) -> str | None:
+        """Why this replica cannot speculate (a draft that never joined or stays gone), or None."""
+        return getattr(self.engine.draft, "degraded_reason", None)
 
     async def kill_draft(self) -> bool:
         """Fault drill: kill this replica's draft actor (the replica keeps serving)."""
@@ -104,6 +111,9 @@ class TargetWorker:
     def check_health(self) -> None:
         if not self.async_engine.is_alive():
             raise RuntimeError("engine loop died")
+        reason = self.degraded_reason() if self.args.require_draft else None
+        if reason is not None:  # not ready: Serve routes nothing here (require_draft)
+            raise RuntimeError(f"require_draft: {reason}")
 
 
 TargetWorkerDeployment = serve.deployment(TargetWorker, name="TargetWorker")

@@ -58,3 +58,6 @@ class WorkerStats:
     reply_cache_tokens: int = 0  # tokens of earlier replies the engine holds for copying
     reply_cache_replies: int = 0
     reply_corpus_tokens: int = 0  # tokens of the draft's reply corpus (fixed; 0: none or off)
+    draft_join_failures: int = 0  # failed attempts to join a draft (draft_process.PairLink)
+    rounds_without_draft: int = 0  # rounds decoded plainly because the draft could not serve them
+    degraded: str | None = None  # why this replica cannot speculate; None: it can (or runs no draft)

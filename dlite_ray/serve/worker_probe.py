@@ -22,6 +22,16 @@ from dlite_ray.serve.worker_messages import WorkerStats
 log = logging.getLogger(__name__)
 
 
+def health(stats: WorkerStats | None) -> dict:
+    """What /healthz and a keyless GetStats say: unavailable (no worker answered), degraded
+    (it serves but cannot speculate: which replica and why), or ok."""
+    if stats is None:
+        return {"status": "unavailable"}
+    if stats.degraded is not None:
+        return {"status": "degraded", "replica": stats.replica, "reason": stats.degraded}
+    return {"status": "ok"}
+
+
 class WorkerProbe:
     def __init__(self, ask: Callable[[], Awaitable[WorkerStats]], timeout_s: float, ttl_s: float,
                  registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic):
