@@ -69,8 +69,11 @@ class TargetWorker:
 
     async def release_lease(self, conversation: str, route_to: str | None = None, strict: bool = True) -> str:
         """Unpin a conversation's KV here (lease ended or conversation deleted); harmless
-        on a replica that does not hold it."""
-        self.async_engine.release_lease(conversation)
+        on a replica that does not hold it. Meant for `route_to` only: where that replica is
+        gone (drained, dead), Serve hands the call to another, which must not unpin its own
+        copy (a turn that moved here from the drained replica pinned its reply here)."""
+        if route_to is None or route_to == self.replica_id:
+            self.async_engine.release_lease(conversation)
         return self.replica_id
 
     def record_routing_stats(self) -> dict:
