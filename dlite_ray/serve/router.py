@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 EXPIRY_PERIOD_S = 5.0
 LIVENESS_CACHE_S = 1.0  # busy answers ask the GCS who is alive at most this often
 MIN_CLAIM_S = 3.0
+RELEASE_TIMEOUT_S = 10.0  # a lease release a replica has not answered by then is given up
 
 
 class ConversationRouter:
@@ -60,21 +61,25 @@ class ConversationRouter:
                 log.exception("lease expiry round failed; retrying next period")
 
     async def expire_round(self, now: float | None = None) -> None:
-        """Ended leases and turn claims, then what replicas that are gone held or claimed."""
+        """Ended leases and turn claims, then what replicas that are gone held or claimed.
+        The registry changes first; the replicas are told afterwards, all at once and each
+        within RELEASE_TIMEOUT_S, so one replica that does not answer (at its
+        max_ongoing_requests, or hung) holds up neither this round nor the next."""
+        ended = []
         for conv in self.store.expire(now):
             log.info("lease of %s on %s ended: evicted (history kept)", conv.id, conv.replica)
-            await self._release(conv.id, conv.replica)
+            ended.append(conv)
         for conv in self.store.expire_claims(now):
             log.info("turn claim on %s by %s ended: evicted (history kept)", conv.id, conv.claim_holder)
-            await self._release(conv.id, conv.replica)
+            ended.append(conv)
         holders = self.store.claim_holders()  # before the lookup: a claim made after it is not judged by it
         live = await self._live_names(max_age=0)
-        if live is None:
-            return
-        for holder in holders:
-            if holder_gone(holder, live):
-                await self._release_holder(holder)
-        self._evict_gone_replicas(live)
+        if live is not None:
+            for holder in holders:
+                if holder_gone(holder, live):
+                    ended += self._end_claims_of(holder)
+            self._evict_gone_replicas(live)
+        await self._release_all(ended)
 
     async def _live_names(self, max_age: float | None = None) -> set[str] | None:
         at, live = self._live
@@ -98,16 +103,28 @@ class ConversationRouter:
             n = self.store.evict_replica(replica)
             log.info("replica %s is gone: %d conversations evicted (histories kept)", replica, n)
 
-    async def _release_holder(self, holder: str) -> None:
-        for conv in self.store.release_holder(holder):
+    def _end_claims_of(self, holder: str) -> list[Conversation]:
+        ended = self.store.release_holder(holder)
+        for conv in ended:
             log.info("%s is gone mid-turn: the claim on %s ended (history kept)", holder, conv.id)
-            await self._release(conv.id, conv.replica)
+        return ended
+
+    async def _release_all(self, conversations: list[Conversation]) -> None:
+        await asyncio.gather(*(self._release(conv.id, conv.replica) for conv in conversations))
 
     async def _release(self, conversation_id: str, replica: str | None) -> None:
+        """Tell `replica` to unpin a conversation's KV, waiting RELEASE_TIMEOUT_S at most: an
+        unpin that never lands costs memory on that replica (its KV stays until pressure
+        evicts it), never correctness, so nothing waits on it for long."""
         if self.worker is None or replica is None:
             return
+        response = self.worker.release_lease.remote(conversation_id, route_to=replica, strict=True)
         try:
-            await self.worker.release_lease.remote(conversation_id, route_to=replica, strict=True)
+            await asyncio.wait_for(_answer(response), RELEASE_TIMEOUT_S)
+        except TimeoutError:
+            response.cancel()  # out of the replica's queue, where it may still wait
+            log.warning("no answer from %s releasing %s within %.0f s; left to its memory pressure", replica,
+                        conversation_id, RELEASE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a dead replica holds nothing any more
             log.warning("could not release %s on %s: %s", conversation_id, replica, exc)
 
@@ -153,7 +170,7 @@ class ConversationRouter:
         # Gone in a cached view: look again before ending a claim (the holder may be newer).
         if not holder_gone(conv.claim_holder, await self._live_names(max_age=0)):
             return False
-        await self._release_holder(conv.claim_holder)
+        await self._release_all(self._end_claims_of(conv.claim_holder))
         return True
 
     async def renew_turn(self, tenant: str, conversation_id: str, version: int, claim_s: float | None = None) -> float:
@@ -202,6 +219,10 @@ class ConversationRouter:
     async def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:
         """A replica gave up these conversations' KV under memory pressure."""
         return self.store.mark_evicted(conversation_ids, replica)
+
+
+async def _answer(response) -> object:
+    return await response
 
 
 def _claim_s(claim_s: float | None) -> float:

@@ -9,9 +9,14 @@ TargetWorkers (issue 53 items 5, 6 and 7), without Ray:
 from __future__ import annotations
 
 import asyncio
+import time
 
 from dlite_ray.engine.sequence import SamplingParams
-from tests.serve.local_handles import local_args, target_worker, tiny_engine
+from dlite_ray.serve import router as router_module
+from dlite_ray.serve.config import AppArgs
+from dlite_ray.serve.conversation_store import EVICTED
+from dlite_ray.serve.router import ConversationRouter
+from tests.serve.local_handles import LocalHandle, local_args, target_worker, tiny_engine
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -42,3 +47,39 @@ async def _engine_applied(worker) -> None:
     """A request behind what the worker queued: once it ends, the engine thread applied it."""
     async for _ in worker.generate("x", SamplingParams(max_new_tokens=1)):
         pass
+
+
+# -- item 6: a release that never returns ---------------------------------------------------------
+class HungWorker:
+    """A TargetWorker at its max_ongoing_requests: a release queues and never returns."""
+
+    def __init__(self):
+        self.releases: list[tuple[str, str | None]] = []
+
+    async def release_lease(self, conversation: str, route_to: str | None = None, strict: bool = True) -> str:
+        self.releases.append((conversation, route_to))
+        await asyncio.Event().wait()
+        return "never"
+
+
+def test_a_release_that_never_returns_does_not_stop_expiry(tmp_path, monkeypatch):
+    monkeypatch.setattr(router_module, "RELEASE_TIMEOUT_S", 0.05)
+    worker = HungWorker()
+    args = AppArgs(conversations={"store_path": str(tmp_path / "c.db")})
+    router = ConversationRouter(LocalHandle(worker), args, live_actors=lambda: None)
+    store = router.store
+    t = time.time()
+    leased = [store.create("a", HELLO) for _ in range(2)]
+    for conv in leased:
+        store.begin_turn("a", conv.id, [], claim_s=30, now=t)
+        store.finish_turn("a", conv.id, 1, "hi", "hung-replica", 1)
+    claimed = store.create("a", HELLO)
+    store.begin_turn("a", claimed.id, [], claim_s=30, now=t)
+
+    async def main() -> None:
+        await router.expire_round(now=t + 10)  # both leases ended; the claim has not
+        await router.expire_round(now=t + 40)  # the claim ended: this round runs too
+
+    asyncio.run(asyncio.wait_for(main(), 60))  # (a hung round fails the test here instead of hanging it)
+    assert {c for c, _ in worker.releases} == {c.id for c in leased}  # both were asked, at once
+    assert {store.get("a", c.id).state for c in [*leased, claimed]} == {EVICTED}
