@@ -78,8 +78,7 @@ class ConversationTurns:
             await chunks.aclose()  # no renewal may land after the turn ends (it would claim it again)
             if last is not None:
                 await self.router.finish_turn.remote(tenant, conversation_id, version, text, last.replica,
-                                                     turn.lease_s, finish_reason=last.finish_reason,
-                                                     evicted=last.evicted)
+                                                     turn.lease_s, finish_reason=last.finish_reason)
             elif refused:
                 await self.router.refuse_turn.remote(tenant, conversation_id, version, turn.new_messages)
             else:

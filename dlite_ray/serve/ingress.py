@@ -11,6 +11,7 @@ sizes are checked before any tokenizing, and parsing runs off the event loop. /h
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -31,6 +32,8 @@ from dlite_ray.serve.tenant_limits import TenantLimits
 from dlite_ray.serve.turn_claims import holder_identity
 from dlite_ray.serve.worker_messages import GenerateChunk
 from dlite_ray.serve.worker_probe import WorkerProbe
+
+log = logging.getLogger(__name__)
 
 
 class DLiteIngress(OpenAIRoutes, GrpcMethods):
@@ -79,12 +82,24 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
                 if chunk.finished:
                     stream.finished = True
                     self.metrics.finished(chunk.stats, time.perf_counter() - started)
+                    await self._report_evicted(chunk)
                     if chunk.error:  # finish_reason "error": the output grammar failed mid-reply
                         raise OutputFailed(chunk.error, chunk.replica)
                 yield chunk
                 chunk = await anext(stream.chunks, None)
         finally:
             stream.close()  # the caller went away mid-reply: stop generating it
+
+    async def _report_evicted(self, last: GenerateChunk) -> None:
+        """The one place a worker's eviction report reaches the registry: every reply's last
+        chunk (a plain completion's as much as a conversation turn's) names the conversations
+        whose KV its replica gave up while it ran, and the worker hands each name out once."""
+        if not last.evicted or last.replica is None:
+            return
+        try:
+            await self.router.mark_evicted.remote(last.evicted, last.replica)
+        except Exception as exc:  # noqa: BLE001 - the reply stands; the registry finds out at the next miss
+            log.warning("could not report conversations evicted on %s: %s", last.replica, exc)
 
 
 class _WorkerStream:

@@ -179,19 +179,15 @@ class ConversationRouter:
         return self.store.renew_turn(tenant, conversation_id, version, _claim_s(claim_s))
 
     async def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
-                          lease_s: float | None, finish_reason: str | None = None,
-                          evicted: list[str] = ()) -> dict:
+                          lease_s: float | None, finish_reason: str | None = None) -> dict:
         """Store the turn's reply (the conversation pauses, its KV pinned on `replica` for
-        the lease). `evicted`: conversations whose KV `replica` gave up while it ran the
-        turn (this one's is pinned again by its reply)."""
+        the lease). What `replica` evicted while it ran the turn the ingress reported with
+        the reply's last chunk (`mark_evicted`), as it does for every reply."""
         lease = min(lease_s or self.args.default_lease_s, self.args.max_lease_s)
         previous = self.store.get(tenant, conversation_id).replica
         conv = self.store.finish_turn(tenant, conversation_id, version, reply, replica, lease, finish_reason)
         if previous is not None and previous != replica:  # the turn moved: unpin the old copy
             await self._release(conversation_id, previous)
-        evicted = [c for c in evicted if c != conversation_id]
-        if evicted and replica is not None:
-            self.store.mark_evicted(evicted, replica)
         return _public(conv)
 
     async def abandon_turn(self, tenant: str, conversation_id: str, version: int | None = None,

@@ -11,12 +11,15 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from dlite_ray.engine.sequence import SamplingParams
 from dlite_ray.serve import router as router_module
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.conversation_store import EVICTED
+from dlite_ray.serve.conversation_store import EVICTED, PAUSED
 from dlite_ray.serve.router import ConversationRouter
-from tests.serve.local_handles import LocalHandle, local_args, target_worker, tiny_engine
+from dlite_ray.serve.worker_messages import GenerateChunk
+from tests.serve.local_handles import AsgiClient, LocalHandle, local_args, target_worker, tiny_engine
 
 HELLO = [{"role": "user", "content": "hello"}]
 
@@ -83,3 +86,40 @@ def test_a_release_that_never_returns_does_not_stop_expiry(tmp_path, monkeypatch
     asyncio.run(asyncio.wait_for(main(), 60))  # (a hung round fails the test here instead of hanging it)
     assert {c for c, _ in worker.releases} == {c.id for c in leased}  # both were asked, at once
     assert {store.get("a", c.id).state for c in [*leased, claimed]} == {EVICTED}
+
+
+# -- item 7: evicted by a plain completion ---------------------------------------------------------
+class EvictingWorker:
+    """A TargetWorker whose plain reply gave up a conversation's KV under memory pressure."""
+
+    def __init__(self, replica: str):
+        self.replica, self.evicts = replica, []
+
+    async def generate(self, prompt, params, **_routing):
+        yield GenerateChunk([1], "x", finished=True, finish_reason="stop", replica=self.replica,
+                            evicted=self.evicts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_conversation_evicted_by_a_plain_completion_reads_evicted(tmp_path, stream):
+    args = local_args(tmp_path, {"tenant-a": "key-a"})
+    worker = EvictingWorker("r1")
+    router = ConversationRouter(LocalHandle(worker), args, live_actors=lambda: None)
+    conv = router.store.create("tenant-a", HELLO)
+    router.store.begin_turn("tenant-a", conv.id, [])
+    router.store.finish_turn("tenant-a", conv.id, 1, "hi", "r1", 300)
+    worker.evicts = [conv.id]
+
+    async def main() -> int:
+        from dlite_ray.serve.ingress import DLiteIngress
+
+        client = AsgiClient(DLiteIngress(LocalHandle(worker), LocalHandle(router), args))
+        r = await client.post("/v1/completions", {"prompt": "other traffic", "max_tokens": 1, "stream": stream},
+                              headers={"authorization": "Bearer key-a"})
+        await r.read()
+        return r.status
+
+    assert router.store.get("tenant-a", conv.id).state == PAUSED
+    assert asyncio.run(main()) == 200
+    after = router.store.get("tenant-a", conv.id)
+    assert after.state == EVICTED and after.replica is None  # its next turn re-prefills from history
