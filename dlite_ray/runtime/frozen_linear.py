@@ -48,9 +48,12 @@ LARGE_CALL_ROWS = (33, 100, 1024)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
+    # oneDNN packs bf16 weights only on CPUs with AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; on an
+    # AVX2-only CPU (seen: an AMD EPYC without AVX-512) the reorder raises instead of falling back.
     return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
             and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 class FrozenLinear:
