@@ -9,11 +9,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from ray.serve.handle import DeploymentHandle
 
-from dlite_ray.engine.sequence import InvalidRequest
-from dlite_ray.serve.errors import OutputFailed, unwrap
+from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
+from dlite_ray.serve.errors import BadRequest, OutputFailed, unwrap
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.request_types import ConversationTurn
-from dlite_ray.serve.tool_prompt import tools_in
+from dlite_ray.serve.tool_prompt import forced_call_params, functions_in, tools_in
 from dlite_ray.serve.turn_claims import RENEWED_CLAIM_S, renewed, replay_chunk
 from dlite_ray.serve.worker_messages import GenerateChunk
 
@@ -42,7 +42,7 @@ class ConversationTurns:
         not pile up copies of the same messages."""
         conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages, holder=self.holder,
                                                    idempotency_key=idempotency_key, claim_s=RENEWED_CLAIM_S)
-        tools = tools_in(conv["messages"])
+        tools = () if turn.tool_choice == "none" else tools_in(conv["messages"])
         if conv["replayed"] is not None:  # finished before: the stored reply, nothing generated
             async for chunk in held_for_tool_calls(_one(replay_chunk(conv["replayed"])), tools):
                 yield chunk
@@ -52,9 +52,10 @@ class ConversationTurns:
 
         async def reply() -> AsyncIterator[GenerateChunk]:
             nonlocal accepted
+            params = _under_tool_choice(turn, conv["messages"])
             # to the replica that holds this conversation's KV (the affinity router falls back
             # to load when it is gone); the reply's KV stays pinned there (the lease)
-            chunks, _ = await self.start(conv["messages"], turn.params, route_to=conv["replica"],
+            chunks, _ = await self.start(conv["messages"], params, route_to=conv["replica"],
                                          conversation=conversation_id, tenant=tenant)
             accepted = True
             async for chunk in chunks:
@@ -83,6 +84,16 @@ class ConversationTurns:
                 await self.router.refuse_turn.remote(tenant, conversation_id, version, turn.new_messages)
             else:
                 await self.router.abandon_turn.remote(tenant, conversation_id, version=version, pinned_on=failed_on)
+
+
+def _under_tool_choice(turn: ConversationTurn, history: list[dict[str, str]]) -> SamplingParams:
+    """The turn's sampling under the grammar of a call its tool_choice forces. A choice the
+    conversation's tools cannot meet is refused as the engine refuses a request, before any
+    token, so `refuse_turn` takes the turn's messages back out."""
+    try:
+        return forced_call_params(turn.params, turn.tool_choice, functions_in(history))
+    except BadRequest as exc:
+        raise InvalidRequest(str(exc)) from exc
 
 
 async def _one(chunk: GenerateChunk) -> AsyncIterator[GenerateChunk]:

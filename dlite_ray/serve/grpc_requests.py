@@ -22,6 +22,7 @@ from dlite_ray.serve.openai_requests import (
 )
 from dlite_ray.serve.request_limits import check_grpc_request, check_prompt_chars
 from dlite_ray.serve.request_types import ConversationTurn, ParsedRequest
+from dlite_ray.serve.tool_prompt import check_tool_choice
 
 
 def parse_grpc_generate(request, limits: LimitArgs) -> ParsedRequest:
@@ -61,7 +62,8 @@ def parse_grpc_append(request, limits: LimitArgs) -> ConversationTurn:
     if request.lease_seconds < 0:
         raise BadRequest(f"lease_seconds must be >= 0 (0 = the server default), got {request.lease_seconds}")
     params = sampling(_grpc_sampling_body(request), limits, _grpc_logprobs(request))
-    return ConversationTurn(new, params, request.lease_seconds or None)
+    return ConversationTurn(new, params, request.lease_seconds or None,
+                            check_tool_choice(_grpc_tool_choice(request.tool_choice)))
 
 
 def _grpc_sampling_body(request) -> dict:

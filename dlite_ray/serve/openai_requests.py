@@ -8,11 +8,10 @@ go through the same checks.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from typing import Any
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
-from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_calls, grammar_for_schema
+from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_schema
 from dlite_ray.runtime.sampling import VERIFY_MODES
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.errors import BadRequest, PayloadTooLarge
@@ -28,7 +27,14 @@ from dlite_ray.serve.request_limits import (
 )
 from dlite_ray.serve.request_types import ConversationTurn, ParsedRequest, check_bool, check_number, check_text
 from dlite_ray.serve.tool_calls import Tool
-from dlite_ray.serve.tool_prompt import assistant_tool_calls, forced_tools, offered_tools, tools_message
+from dlite_ray.serve.tool_prompt import (
+    assistant_tool_calls,
+    check_tool_choice,
+    forced_call_params,
+    forced_tools,
+    offered_tools,
+    tools_message,
+)
 
 ROLES = ("system", "user", "assistant", "tool")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # torch.Generator seeds are 64-bit
@@ -57,15 +63,10 @@ def parse_chat(body: Any, limits: LimitArgs) -> ParsedRequest:
     refuse_unknown_fields(body, CHAT_FIELDS)
     messages, tools = messages_and_tools(body, limits)
     params = sampling(body, limits, chat_logprobs(body))
-    forced = forced_tools(body.get("tool_choice"), tools)
-    if forced:
-        if params.grammar is not None:
-            raise BadRequest("tool_choice forces a call and response_format asks for JSON: ask for one of them")
-        functions = [t["function"] for t in body["tools"] if t["function"]["name"] in forced]
-        try:
-            params = replace(params, grammar=grammar_for_calls(functions))
-        except InvalidRequest as exc:
-            raise BadRequest(f"tool_choice: {exc}") from exc
+    if tools:
+        params = forced_call_params(params, body.get("tool_choice"), [t["function"] for t in body["tools"]])
+    else:
+        forced_tools(body.get("tool_choice"), tools)  # "required" or a name with nothing offered: refused
     return ParsedRequest(messages, params, *_streaming(body), tools=tools)
 
 
@@ -264,4 +265,5 @@ def parse_append(body: Any, limits: LimitArgs) -> ConversationTurn:
     lease = body.get("lease_seconds")
     if lease is not None and (check_number(lease, "lease_seconds") <= 0):
         raise BadRequest("lease_seconds must be > 0")
-    return ConversationTurn(new, sampling(body, limits, chat_logprobs(body)), None if lease is None else float(lease))
+    return ConversationTurn(new, sampling(body, limits, chat_logprobs(body)), None if lease is None else float(lease),
+                            check_tool_choice(body.get("tool_choice")))

@@ -39,7 +39,8 @@ STREAM_FIELDS = frozenset({"stream", "stream_options"})
 CHAT_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | TOOL_FIELDS | STREAM_FIELDS | {"messages"}
 COMPLETION_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | STREAM_FIELDS | {"prompt"}
 CREATE_CONVERSATION_FIELDS = BOOKKEEPING_FIELDS | TOOL_FIELDS | {"messages"}
-APPEND_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | {"messages", "lease_seconds"}  # a turn's reply is not streamed
+# a turn's reply is not streamed; its tool_choice is over the tools the conversation opened with
+APPEND_FIELDS = BOOKKEEPING_FIELDS | SAMPLING_FIELDS | {"messages", "lease_seconds", "tool_choice"}
 
 
 def refuse_unknown_fields(body: dict, known: frozenset[str]) -> None:

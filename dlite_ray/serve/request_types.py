@@ -27,11 +27,14 @@ class ParsedRequest:
 
 @dataclass(slots=True)
 class ConversationTurn:
-    """One AppendAndGenerate: the new user/tool messages, sampling, the lease asked for."""
+    """One AppendAndGenerate: the new user/tool messages, sampling, the lease asked for, and
+    `tool_choice` over the tools the conversation opened with (checked against them once
+    the history is read: `tool_prompt.forced_call_params`)."""
 
     new_messages: list[dict[str, str]]
     params: SamplingParams
     lease_s: float | None = None
+    tool_choice: str | dict | None = None
 
 
 def check_text(value: Any, name: str) -> str:

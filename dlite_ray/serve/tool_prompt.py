@@ -10,8 +10,11 @@ tools are read back from it (`tools_in`).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
+from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
+from dlite_ray.engine.structured_output import grammar_for_calls
 from dlite_ray.serve.errors import BadRequest
 from dlite_ray.serve.request_types import check_bool, check_text
 from dlite_ray.serve.tool_calls import Tool, ToolCall, render_tool_calls
@@ -40,14 +43,19 @@ def forced_tools(choice: Any, tools: tuple[Tool, ...]) -> set[str]:
         if not names:
             raise BadRequest("tool_choice 'required' needs 'tools'")
         return names
+    name = _named_function(choice)
+    if name not in names:
+        raise BadRequest("tool_choice names a function that is not in 'tools'")
+    return {name}
+
+
+def _named_function(choice: Any) -> str:
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise BadRequest("tool_choice must be 'auto', 'none', 'required' or "
                          "{'type': 'function', 'function': {'name': ...}}")
-    if name not in names:
-        raise BadRequest("tool_choice names a function that is not in 'tools'")
-    return {name}
+    return name
 
 
 def parse_tools(raw: Any) -> tuple[Tool, ...]:
@@ -74,14 +82,44 @@ def tools_message(tools: list[dict]) -> dict[str, str]:
 def tools_in(messages: list[dict[str, str]]) -> tuple[Tool, ...]:
     """The tools a stored history offers (a conversation's are offered once, when it opens):
     read back from the system message that `tools_message` wrote."""
+    try:
+        return parse_tools([{"function": fn} for fn in functions_in(messages)])
+    except BadRequest:  # a system message that only looks like ours
+        return ()
+
+
+def functions_in(messages: list[dict[str, str]]) -> list[dict]:
+    """The OpenAI function objects (name, description, parameters) of `tools_in`."""
     first = messages[0] if messages else {}
     if first.get("role") != "system" or not first.get("content", "").startswith(TOOLS_PREAMBLE):
-        return ()
+        return []
     try:
-        return parse_tools([{"function": json.loads(line)}
-                            for line in first["content"][len(TOOLS_PREAMBLE):].split("\n")])
-    except (json.JSONDecodeError, BadRequest):  # a system message that only looks like ours
-        return ()
+        functions = [json.loads(line) for line in first["content"][len(TOOLS_PREAMBLE):].split("\n")]
+    except json.JSONDecodeError:
+        return []
+    return functions if all(isinstance(fn, dict) for fn in functions) else []
+
+
+def check_tool_choice(choice: Any) -> Any:
+    """`tool_choice`'s shape, before the tools it may name are known (a conversation turn's
+    are in the stored history): "auto", "none", "required" or a named function."""
+    if choice not in (None, "auto", "none", "required"):
+        _named_function(choice)
+    return choice
+
+
+def forced_call_params(params: SamplingParams, choice: Any, functions: list[dict]) -> SamplingParams:
+    """`params` under the grammar of a call to the tools `tool_choice` forces (unchanged when
+    it forces none): `functions` are the offered tools' OpenAI function objects."""
+    forced = forced_tools(choice, parse_tools([{"function": fn} for fn in functions]))
+    if not forced:
+        return params
+    if params.grammar is not None:
+        raise BadRequest("tool_choice forces a call and response_format asks for JSON: ask for one of them")
+    try:
+        return replace(params, grammar=grammar_for_calls([fn for fn in functions if fn["name"] in forced]))
+    except InvalidRequest as exc:
+        raise BadRequest(f"tool_choice: {exc}") from exc
 
 
 def assistant_tool_calls(raw: Any, i: int) -> str:

@@ -5,6 +5,7 @@ A turn at T = 0 answers as the library engine does for the conversation's whole 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import grpc
@@ -186,3 +187,34 @@ def test_a_tool_loop_over_grpc_conversations(app, library):
     assert others == [grpc.StatusCode.NOT_FOUND] * 2 and other_turn == grpc.StatusCode.NOT_FOUND
     assert [c.finish_reason for c in refused] == ["error"]
     assert deleted.deleted and gone == grpc.StatusCode.NOT_FOUND
+
+
+PICK = {"type": "function", "function": {"name": "pick", "description": "Pick a digit.", "parameters": {
+    "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}}}
+
+
+def test_a_turn_forces_a_call_to_the_conversations_tools_with_tool_choice(app):
+    """tool_choice in a turn is over the tools the conversation opened with: a named one or
+    "required" decodes a call to it; a name the conversation does not offer is a 400 that
+    appends nothing."""
+    named = {"type": "function", "function": {"name": "pick"}}
+
+    async def go():
+        r = await app.http.post("/v1/conversations", {"messages": MESSAGES, "tools": [PICK]}, headers=AUTH_A)
+        cid = (await r.json())["id"]
+        forced = await _turn(app, cid, {"max_tokens": 24, "tool_choice": named})
+        unknown = await _turn(app, cid, {"messages": [TOOL_RESULT], "tool_choice": {
+            "type": "function", "function": {"name": "other"}}})
+        _, stored = await _get(app, cid)
+        required, _ = await app.grpc.stream("AppendAndGenerate", dlite_pb2.AppendRequest(
+            conversation_id=cid, messages=[dlite_pb2.Message(**TOOL_RESULT)], max_tokens=24, tool_choice="required"),
+            GRPC_A)
+        return forced, unknown, stored, required
+
+    (status, forced), (refused, body), stored, required = asyncio.run(go())
+    assert status == 200 and forced["finish_reason"] == "tool_calls", forced
+    call = forced["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "pick" and 0 <= json.loads(call["arguments"])["n"] <= 9
+    assert refused == 400 and "tool_choice" in body["error"]["message"]
+    assert [m["role"] for m in stored["messages"]] == ["system", "user", "assistant"]  # the refused turn left nothing
+    assert required[-1].finish_reason == "tool_calls" and required[-1].tool_calls[0].name == "pick"

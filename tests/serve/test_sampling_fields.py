@@ -160,3 +160,13 @@ def test_grpc_seed_zero_is_a_seed():
     assert parse_grpc_generate(dlite_pb2.GenerateRequest(prompt="hi"), LIMITS).params.seed is None
     append = dlite_pb2.AppendRequest(conversation_id="c", messages=HI_PB, seed=0)
     assert parse_grpc_append(append, LIMITS).params.seed == 0
+
+
+def test_a_turns_tool_choice_is_checked_for_shape_when_parsed():
+    assert parse_append({"tool_choice": "required"}, LIMITS).tool_choice == "required"
+    named = {"type": "function", "function": {"name": "f"}}
+    assert parse_append({"tool_choice": named}, LIMITS).tool_choice == named
+    with pytest.raises(BadRequest, match="tool_choice"):
+        parse_append({"tool_choice": "always"}, LIMITS)
+    grpc_turn = parse_grpc_append(dlite_pb2.AppendRequest(conversation_id="c", tool_choice="f"), LIMITS)
+    assert grpc_turn.tool_choice == named
