@@ -17,6 +17,7 @@ from dlite_ray.serve.config import AppArgs, EngineArgs
 from dlite_ray.serve.cpu_threads import target_thread_policy
 from dlite_ray.serve.engine_factory import engine_from_args
 from dlite_ray.serve.logprobs import TokenRenderer
+from dlite_ray.serve.step_gate import StepGate
 from dlite_ray.serve.worker_messages import GenerateChunk, WorkerStats
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,14 @@ class TargetWorker:
         self.args = args
         self.engine = engine_factory(args.engine)
         threads = target_thread_policy(args.engine.device, args.engine.cpu_threads, self.engine.target)
-        self.async_engine = AsyncEngine(self.engine, before_step=threads)
+        self.step_gate = StepGate()
+
+        def before_step(load: int) -> None:
+            self.step_gate.pass_through()
+            if threads is not None:
+                threads(load)
+
+        self.async_engine = AsyncEngine(self.engine, before_step=before_step)
         self.renderer = TokenRenderer(self.engine.tokenizer)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -110,6 +118,11 @@ class TargetWorker:
             self.engine.draft.kill_actor()
             return True
         return False
+
+    async def allow_steps(self, steps: int | None) -> None:
+        """Fault drill: the engine runs `steps` more steps, then waits until this is called
+        again (None: no limit, as it starts). A drill acts on a reply still in progress."""
+        self.step_gate.allow(steps)
 
     def check_health(self) -> None:
         if not self.async_engine.is_alive():

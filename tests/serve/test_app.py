@@ -35,14 +35,15 @@ def _worker(serve_app):
     return serve.get_deployment_handle("TargetWorker", app_name="dlite")
 
 
-def _wait_for_draft(serve_app, timeout=60):
+def _wait_for_draft(serve_app, timeout=60, connected=True):
+    """Until the worker reports its draft connected (or, connected=False, lost)."""
     worker = _worker(serve_app)
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if worker.stats.remote().result().draft_connected:
+        if worker.stats.remote().result().draft_connected == connected:
             return
         time.sleep(0.5)
-    raise AssertionError("the draft worker never connected")
+    raise AssertionError(f"the draft worker never became {'connected' if connected else 'disconnected'}")
 
 
 def test_chat_completion_equals_library_engine(serve_app, reference):
@@ -126,12 +127,15 @@ def test_a_stream_can_end_with_its_usage(serve_app, reference):
 
 
 def test_grpc_generate_streams_the_same_tokens(serve_app, reference):
+    _wait_for_draft(serve_app)
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
         stub = dlite_pb2_grpc.DLiteServiceStub(channel)
         req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=24)
         chunks = list(stub.Generate(req, metadata=GRPC_A, timeout=120))
     assert [t for c in chunks for t in c.token_ids] == reference.token_ids
-    assert chunks[-1].finish_reason and chunks[-1].stats.mean_accept_length >= 1
+    stats = chunks[-1].stats
+    assert chunks[-1].finish_reason and list(stats.accept_lengths) == reference.stats.accept_lengths
+    assert stats.draft_time > 0  # the rounds went through the draft process (0 with a dead or no draft)
 
 
 @pytest.fixture(scope="module")
@@ -373,26 +377,37 @@ def test_grpc_invalid_argument(serve_app):
 
 
 def test_killing_the_draft_actor_mid_stream_still_completes(serve_app, reference):
+    """The worker's engine is held after the reply's first two steps (its step gate): the draft
+    is killed and seen lost while the reply is unfinished, and the rest decodes without it."""
     _wait_for_draft(serve_app)
     worker = _worker(serve_app)
-    r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
-                      headers=AUTH_A, stream=True, timeout=120)
-    lines = r.iter_lines()
-    text = ""
-    for line in lines:
-        if line.startswith(b"data: {"):
-            text += json.loads(line[6:])["choices"][0]["delta"]["content"]
-            assert worker.kill_draft.remote().result()
-            break
+    restarts = worker.stats.remote().result().draft_restarts
+    worker.allow_steps.remote(2).result()
+    try:
+        r = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24, "stream": True},
+                          headers=AUTH_A, stream=True, timeout=120)
+        lines = r.iter_lines()
+        text = ""
+        for line in lines:
+            if line.startswith(b"data: {"):
+                text += json.loads(line[6:])["choices"][0]["delta"]["content"]
+                break
+        held = worker.stats.remote().result()
+        assert held.running + held.waiting == 1  # the reply is still in the engine
+        assert worker.kill_draft.remote().result()
+        _wait_for_draft(serve_app, connected=False)  # the worker's link saw the draft go
+    finally:
+        worker.allow_steps.remote(None).result()
     for line in lines:
         if line.startswith(b"data: {"):
             text += json.loads(line[6:])["choices"][0]["delta"]["content"]
     assert text == reference.text
+    assert worker.stats.remote().result().draft_restarts > restarts
     _wait_for_draft(serve_app, timeout=120)  # restarted and reconnected
-    assert worker.stats.remote().result().draft_restarts >= 1
     again = requests.post(f"{URL}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 24}, headers=AUTH_A,
-                      timeout=120)
+                          timeout=120)
     assert again.json()["choices"][0]["message"]["content"] == reference.text
+    assert again.json()["dlite_stats"]["draft_time"] > 0  # the restarted draft drafts again
 
 
 def test_conversations_over_http_and_malformed_bodies(serve_app):
