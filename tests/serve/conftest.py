@@ -4,10 +4,20 @@ tokenizer (vocabulary 49152) and a random draft, served by the real application.
 from __future__ import annotations
 
 import shutil
+import socket
 
 import pytest
 
-HTTP_PORT, GRPC_PORT = 18000, 19000
+
+def _free_port() -> int:
+    """A port the OS has just handed out: two sessions on one host never share one."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# chosen once per session, when this conftest is first imported (test modules import them from here)
+HTTP_PORT, GRPC_PORT = _free_port(), _free_port()
 KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
 AUTH_A = {"authorization": "Bearer key-a"}
 GRPC_A = (("application", "dlite"), ("authorization", "Bearer key-a"))
@@ -37,19 +47,30 @@ def tiny_serving_model(tmp_path_factory, default_model_dir):
 
 
 @pytest.fixture(scope="session")
-def serve_app(tiny_serving_model, tmp_path_factory):
+def ray_serve():
+    """The session's one Ray + Serve instance: every module that needs Ray gets this one,
+    whether it runs alone or in the suite, and it ends with the session."""
     import ray
+    from ray import serve
+
+    # two logical GPUs: enough to place a GPU pair's bundles and see what each actor gets
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
+                grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [
+                    "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_app(ray_serve, tiny_serving_model, tmp_path_factory):
     from ray import serve
 
     from dlite_ray.serve.app import build_app
     from dlite_ray.serve.config import AppArgs, EngineArgs
 
     target_dir, draft_dir = tiny_serving_model
-    # two logical GPUs: enough to place a GPU pair's bundles and see what each actor gets
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT},
-                grpc_options={"port": GRPC_PORT, "grpc_servicer_functions": [
-                    "dlite_ray.serve.grpc_service.add_DLiteServiceServicer_to_server"]})
     root = tmp_path_factory.mktemp("serve-state")
     (root / "keys").write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     # float32, not "auto": these tests compare served logprobs with the library's exactly,
@@ -61,8 +82,7 @@ def serve_app(tiny_serving_model, tmp_path_factory):
                    api_keys_file=str(root / "keys"), conversations={"store_path": str(root / "conv.sqlite3")})
     handle = serve.run(build_app(args), name="dlite", route_prefix="/")
     yield handle, args
-    serve.shutdown()
-    ray.shutdown()
+    serve.delete("dlite")
 
 
 @pytest.fixture(scope="module")

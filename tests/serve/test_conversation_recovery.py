@@ -127,45 +127,57 @@ def test_only_replicas_that_are_gone_lose_their_claims():
 
 
 def test_renewed_streams_renew_while_a_chunk_is_slow_and_stop_when_the_claim_is_lost():
-    async def slow_chunks(n: int, delay: float):
-        for i in range(n):
-            await asyncio.sleep(delay)
-            yield {"i": i}
-
+    """The chunks wait on renewals (events the test sets, no sleeps): each comes only once the
+    claim was renewed while it was pending, the first after a failed renewal was retried."""
     async def go():
         calls = []
+        reached = {3: asyncio.Event(), 5: asyncio.Event()}  # renewal count -> set once reached
 
         async def renew():
-            calls.append(time.monotonic())
+            calls.append(len(calls))
+            for n, event in reached.items():
+                if len(calls) >= n:
+                    event.set()
             if len(calls) == 1:
                 raise RuntimeError("router restarting")  # retried at the next period
 
-        got = [c async for c in renewed(slow_chunks(2, 0.2), renew, claim_s=0.09)]
-        assert [c["i"] for c in got] == [0, 1] and len(calls) >= 4
+        async def slow_chunks():
+            for i, n in enumerate(reached):
+                await reached[n].wait()
+                yield {"i": i}
+
+        got = [c async for c in renewed(slow_chunks(), renew, claim_s=0.03)]
+        assert [c["i"] for c in got] == [0, 1]
+
+        lost_seen = asyncio.Event()
 
         async def lost():
+            lost_seen.set()
             raise ConversationBusy("taken over")
 
-        with pytest.raises(ConversationBusy):
-            async for _ in renewed(slow_chunks(5, 0.1), lost, claim_s=0.09):
-                pass
+        async def chunks_after_the_loss():
+            await lost_seen.wait()
+            for i in range(3):
+                yield {"i": i}
 
-    asyncio.run(go())
+        got = []
+        with pytest.raises(ConversationBusy):
+            async for chunk in renewed(chunks_after_the_loss(), lost, claim_s=0.03):
+                got.append(chunk)
+        assert got == []  # no chunk goes out once the claim is known lost
+
+    # a bound on a hang (a stream that never renews would wait for ever), not a timing check
+    asyncio.run(asyncio.wait_for(go(), timeout=120))
 
 
 # -- with Ray: holders are real Serve replicas, found gone by their actor names -----------------
 
 @pytest.fixture(scope="module")
-def claims_app(tmp_path_factory):
-    import ray
+def claims_app(ray_serve, tmp_path_factory):
     from ray import serve
 
     from dlite_ray.serve.router import ConversationRouterDeployment
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        serve.start(proxy_location="Disabled")
     args = AppArgs(conversations={"store_path": str(tmp_path_factory.mktemp("claims") / "c.db")})
 
     @serve.deployment(name="DLiteIngress", ray_actor_options={"num_cpus": 0})
@@ -181,9 +193,6 @@ def claims_app(tmp_path_factory):
     yield router, holder
     serve.delete("claims-router")
     serve.delete("claims-holder")
-    if started:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_killing_the_turns_ingress_and_the_router_leaves_no_stuck_conversation(claims_app):
