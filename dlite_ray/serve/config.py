@@ -100,6 +100,14 @@ class ConversationArgs(BaseModel):
     store_path: str = Field("dlite-conversations.sqlite3", description="SQLite file of the durable histories")
     default_lease_s: float = Field(300.0, gt=0, description="how long a paused conversation's KV is held")
     max_lease_s: float = Field(3600.0, gt=0, description="the longest lease a request may ask for")
+    max_conversations_per_tenant: int = Field(
+        1000, ge=1, description="conversations one tenant (API key) may keep at once; creating one more gets "
+                                "HTTP 429 / gRPC RESOURCE_EXHAUSTED naming the limit, until it deletes some")
+    max_stored_bytes_per_tenant: int = Field(
+        256 << 20, ge=1, description="bytes of conversation history (as stored, UTF-8 JSON) one tenant may keep "
+                                     "across its conversations; a create or a turn's messages that would pass it "
+                                     "get HTTP 429 / gRPC RESOURCE_EXHAUSTED naming the limit (a turn's reply is "
+                                     "stored whatever its size)")
 
 
 class AppArgs(BaseModel):

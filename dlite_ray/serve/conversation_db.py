@@ -5,6 +5,8 @@ Layouts (`PRAGMA user_version`):
   0  conversations (id, tenant, version, state, replica, lease_deadline, messages, created)
   1  + conversations.claim_holder / claim_deadline: who holds a turn, and until when
      + turn_keys: a turn's idempotency key, the messages it appended, where its reply is
+  2  + conversations.bytes: the stored history's size (UTF-8 JSON), summed per tenant for
+       its quota; indexed by tenant
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import sqlite3
 from pathlib import Path
 
 log = logging.getLogger(__name__)
-LAYOUT = 1
+LAYOUT = 2
 GENERATING, PAUSED, CLOSED, EVICTED = "generating", "paused", "closed", "evicted"  # conversations.state
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL,
     replica TEXT, lease_deadline REAL, messages TEXT NOT NULL, created REAL NOT NULL,
-    claim_holder TEXT, claim_deadline REAL
+    claim_holder TEXT, claim_deadline REAL, bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS by_lease ON conversations (state, lease_deadline);
+CREATE INDEX IF NOT EXISTS by_tenant ON conversations (tenant);
 CREATE TABLE IF NOT EXISTS turn_keys (
     conversation_id TEXT NOT NULL, key TEXT NOT NULL, version INTEGER NOT NULL, digest TEXT NOT NULL,
     reply_index INTEGER, finish_reason TEXT, created REAL NOT NULL,
@@ -33,7 +36,8 @@ CREATE INDEX IF NOT EXISTS turn_keys_by_version ON turn_keys (conversation_id, v
 """
 
 # columns added to a table after layout 0; ALTER TABLE adds them to an older file
-_ADDED_COLUMNS = {"conversations": {"claim_holder": "TEXT", "claim_deadline": "REAL"}}
+_ADDED_COLUMNS = {"conversations": {"claim_holder": "TEXT", "claim_deadline": "REAL",
+                                     "bytes": "INTEGER NOT NULL DEFAULT 0"}}
 
 
 def open_db(path: str | Path) -> sqlite3.Connection:
@@ -67,4 +71,6 @@ def _migrate(db: sqlite3.Connection) -> None:
             log.info("conversation store: %d turn claims of a previous router released", n)
         # Text deleted before secure_delete was on may sit in free space: scrub it once.
         db.execute("VACUUM")
+    if layout < 2 and not fresh:  # histories stored before their size was: measured once
+        db.execute("UPDATE conversations SET bytes = length(CAST(messages AS BLOB))")
     db.execute(f"PRAGMA user_version = {LAYOUT}")

@@ -8,6 +8,13 @@ deleted by expiry; only DeleteConversation removes it, and its text is overwritt
 file (secure_delete). A conversation of another tenant does not exist for the caller (same
 error as an unknown id). A turn may carry an idempotency key: its retry replays the stored
 reply, or re-runs a turn that failed, instead of appending the messages again.
+
+Each tenant's stored state is capped (`TenantQuota`): its live conversations, and the
+bytes of their histories. The store enforces it, in the same transaction as the write it
+guards, so the cap holds whatever backend keeps the histories: `create` and `begin_turn`
+refuse (QuotaExceeded, naming the limit) what would pass it. A turn's reply is stored
+whatever its size (it was generated already): a tenant passes its byte cap by at most the
+replies of the turns it has running.
 """
 
 from __future__ import annotations
@@ -24,13 +31,28 @@ from pathlib import Path
 
 from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.conversation_db import CLOSED, EVICTED, GENERATING, PAUSED, open_db
-from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound
+from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound, QuotaExceeded
 from dlite_ray.serve.request_limits import check_prompt_chars
 from dlite_ray.serve.turn_claims import MAX_IDEMPOTENCY_KEY_CHARS, UNRENEWED_CLAIM_S
 
-__all__ = ["CLOSED", "EVICTED", "GENERATING", "PAUSED", "Conversation", "ConversationStore", "TurnOutcome"]
+__all__ = ["CLOSED", "EVICTED", "GENERATING", "PAUSED", "Conversation", "ConversationStore", "TenantQuota",
+           "TurnOutcome"]
 
 _COLUMNS = "id, tenant, version, state, replica, lease_deadline, messages, claim_holder, claim_deadline"
+
+
+@dataclass(slots=True)
+class TenantQuota:
+    """What one tenant may keep in the store (None: no cap)."""
+
+    max_conversations: int | None = None
+    max_stored_bytes: int | None = None  # of its histories, as stored (UTF-8 JSON)
+
+    def __post_init__(self):
+        for name in ("max_conversations", "max_stored_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or None, got {value}")
 
 
 @dataclass(slots=True)
@@ -56,16 +78,20 @@ class Conversation:
 
 
 class ConversationStore:
-    def __init__(self, path: str | Path = ":memory:"):
+    def __init__(self, path: str | Path = ":memory:", quota: TenantQuota | None = None):
         self._db = open_db(path)
         self._lock = threading.Lock()
+        self.quota = quota or TenantQuota()
 
     def create(self, tenant: str, messages: list[dict[str, str]]) -> Conversation:
+        """A new conversation of `tenant`; QuotaExceeded where it would pass the tenant's caps."""
         conv = Conversation(secrets.token_urlsafe(18), tenant, 0, PAUSED, None, None, list(messages))
-        with self._lock:
-            self._db.execute("INSERT INTO conversations (id, tenant, version, state, messages, created) "
-                             "VALUES (?, ?, ?, ?, ?, ?)", (conv.id, tenant, 0, PAUSED, json.dumps(conv.messages),
-                                                           time.time()))
+        history = json.dumps(conv.messages)
+        with self._lock, self._transaction():
+            self._check_quota(tenant, _size(history), new_conversation=True)
+            self._db.execute("INSERT INTO conversations (id, tenant, version, state, messages, bytes, created) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?)", (conv.id, tenant, 0, PAUSED, history, _size(history),
+                                                              time.time()))
         return conv
 
     def get(self, tenant: str, conversation_id: str) -> Conversation:
@@ -103,6 +129,8 @@ class ConversationStore:
             else:
                 self._check_claimable(conv, now)
                 _check_history(conv.messages + messages, limits)
+                grown = _size(json.dumps(conv.messages + messages)) - _size(json.dumps(conv.messages))
+                self._check_quota(tenant, grown)
                 conv.messages += messages
             conv.version += 1
             conv.state, conv.claim_holder, conv.claim_deadline = GENERATING, holder, now + claim_s
@@ -233,6 +261,23 @@ class ConversationStore:
                 n += cur.rowcount
             return n
 
+    def _check_quota(self, tenant: str, added_bytes: int, new_conversation: bool = False) -> None:
+        """QuotaExceeded where `added_bytes` more (and a conversation more) would pass the
+        tenant's caps. Called inside the write's transaction: no two writes both fit."""
+        quota = self.quota
+        if quota.max_conversations is None and quota.max_stored_bytes is None:
+            return
+        count, stored = self._db.execute("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM conversations "
+                                         "WHERE tenant = ?", (tenant,)).fetchone()
+        if new_conversation and quota.max_conversations is not None and count >= quota.max_conversations:
+            raise QuotaExceeded(f"this API key already has {count} conversations, its limit "
+                                f"(max_conversations_per_tenant = {quota.max_conversations}); delete some to "
+                                f"create more")
+        if quota.max_stored_bytes is not None and added_bytes > 0 and stored + added_bytes > quota.max_stored_bytes:
+            raise QuotaExceeded(f"this API key's conversations would hold {stored + added_bytes} bytes of history, "
+                                f"over its limit (max_stored_bytes_per_tenant = {quota.max_stored_bytes}); delete "
+                                f"some to add more")
+
     def _check_claimable(self, conv: Conversation, now: float) -> None:
         if conv.state == GENERATING and (conv.claim_deadline is None or conv.claim_deadline > now):
             raise ConversationBusy(f"conversation {conv.id} is already generating")
@@ -280,9 +325,10 @@ class ConversationStore:
         return _row(row)
 
     def _save(self, conv: Conversation) -> None:
+        history = json.dumps(conv.messages)
         self._db.execute("UPDATE conversations SET version = ?, state = ?, replica = ?, lease_deadline = ?, "
-                         "messages = ?, claim_holder = ?, claim_deadline = ? WHERE id = ?",
-                         (conv.version, conv.state, conv.replica, conv.lease_deadline, json.dumps(conv.messages),
+                         "messages = ?, bytes = ?, claim_holder = ?, claim_deadline = ? WHERE id = ?",
+                         (conv.version, conv.state, conv.replica, conv.lease_deadline, history, _size(history),
                           conv.claim_holder, conv.claim_deadline, conv.id))
 
 
@@ -293,6 +339,11 @@ def _row(row: tuple) -> Conversation:
 def _check_history(messages: list[dict[str, str]], limits: LimitArgs | None) -> None:
     if limits is not None:
         check_prompt_chars(messages, limits, "the conversation's history and this turn's messages")
+
+
+def _size(history: str) -> int:
+    """A stored history's bytes, as the quota counts them (SQLite's length(CAST(messages AS BLOB)))."""
+    return len(history.encode())
 
 
 def _digest(messages: list[dict[str, str]]) -> str:

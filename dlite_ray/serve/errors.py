@@ -58,6 +58,13 @@ class Overloaded(ServeError):
     http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "rate_limit_error"
 
 
+class QuotaExceeded(ServeError):
+    """A tenant at one of its stored-state caps (live conversations, stored history bytes):
+    the message names the limit. Freed by deleting conversations, not by waiting."""
+
+    http_status, grpc_code, error_type = 429, grpc.StatusCode.RESOURCE_EXHAUSTED, "insufficient_quota"
+
+
 class OutputFailed(ServeError):
     """The reply could not go on under the request's output grammar (a schema or tool call
     too complex for the matcher, found mid-reply): an error, never a "stop" that would

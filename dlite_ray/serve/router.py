@@ -22,7 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationStore
+from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationStore, TenantQuota
 from dlite_ray.serve.errors import ConversationBusy
 from dlite_ray.serve.turn_claims import SERVE_REPLICA_PREFIX, UNRENEWED_CLAIM_S, holder_gone, live_actor_names
 
@@ -39,7 +39,8 @@ class ConversationRouter:
         """`live_actors` names the cluster's live actors (None: unknown); tests inject it."""
         self.worker = worker
         self.args, self.limits = args.conversations, args.limits
-        self.store = ConversationStore(self.args.store_path)
+        self.store = ConversationStore(self.args.store_path, TenantQuota(self.args.max_conversations_per_tenant,
+                                                                         self.args.max_stored_bytes_per_tenant))
         self._live_actors = live_actors
         self._live: tuple[float, set[str] | None] = (-math.inf, None)
         self._expiry = None

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from dlite_ray.serve.config import AppArgs, LimitArgs
+from dlite_ray.serve.conversation_db import LAYOUT
 from dlite_ray.serve.conversation_store import EVICTED, GENERATING, PAUSED, ConversationStore, TurnOutcome
 from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound, PayloadTooLarge
 from dlite_ray.serve.router import ConversationRouter
@@ -219,7 +220,7 @@ def test_a_file_of_the_first_layout_is_migrated_and_its_stuck_turns_end(tmp_path
     assert turn.version == 4 and turn.messages == HELLO + TOOL
     reopened = ConversationStore(path)  # the migration runs once
     assert reopened.get("a", "stuck").state == GENERATING
-    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (1,)
+    assert sqlite3.connect(path).execute("PRAGMA user_version").fetchone() == (LAYOUT,)
 
 
 def test_a_refused_turn_leaves_the_conversation_as_it_was(tmp_path):
