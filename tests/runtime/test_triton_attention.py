@@ -16,7 +16,11 @@ pytest.importorskip("triton", reason="the triton backend's tests need the triton
 from dlite_ray.runtime import attention  # noqa: E402
 from dlite_ray.runtime.attention import make_backend  # noqa: E402
 from dlite_ray.runtime.attention.metadata import build_attention_metadata  # noqa: E402
-from dlite_ray.runtime.attention.paged_triton import combine_chunk_partials, interpreting  # noqa: E402
+from dlite_ray.runtime.attention.paged_triton import (  # noqa: E402
+    combine_chunk_partials,
+    interpreting,
+    paged_attention,
+)
 from dlite_ray.runtime.attention.triton_backend import TritonPagedBackend  # noqa: E402
 from dlite_ray.runtime.kv_cache import PagedKVCache  # noqa: E402
 
@@ -118,6 +122,22 @@ def test_a_row_has_the_same_bits_alone_in_a_verify_span_and_in_any_batch():
     assert torch.equal(alone, in_span)
     assert torch.equal(alone, in_batch)
     torch.testing.assert_close(alone, seqs.reference([(0, 150, 1)])[0])
+
+
+def test_a_larger_grid_bound_gives_the_same_bits():
+    """A CUDA graph launches a grid sized for the longest context it may meet: the programs
+    past a row's last chunk must change nothing."""
+    seqs = Sequences([130], seed=7)
+    table = _scattered_tables([130], 64, seed=6)[0]
+    cache_k = torch.zeros(64, BLOCK, HKV, DH)
+    cache_v = torch.zeros_like(cache_k)
+    slots = _slots(table, 0, 130)
+    cache_k.flatten(0, 1)[slots], cache_v.flatten(0, 1)[slots] = seqs.k[0], seqs.v[0]
+    q, tokens, seqlens = seqs.q[0][129:], torch.zeros(1, dtype=torch.long), torch.tensor([130], dtype=torch.int32)
+    tables = torch.tensor([table], dtype=torch.int32)
+    tight, loose = (paged_attention(q, cache_k, cache_v, tokens, seqlens, tables, bound, torch.empty_like(q),
+                                    CHUNK, TILE) for bound in (130, 4 * 130))
+    assert torch.equal(tight, loose)
 
 
 def test_chunks_are_combined_in_position_order():
