@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     sk.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     sk.add_argument("--seed", type=int, default=0)
     sk.add_argument("--out", default="runs/soak", help="the report goes to OUT/soak.json")
+    sk.add_argument("--every-fault", action="store_true",
+                    help="go on past --duration-s until every planned fault has been injected and waited out")
+    sk.add_argument("--quick", action="store_true",
+                    help="every fault kind once in a 2-minute soak, one abuser (~4 min in all; make test runs it): "
+                         "checks the harness and the correctness verdicts; no latency verdict (a 20 s solo phase "
+                         "is no baseline)")
 
     tr = sub.add_parser("train", help="distil a DLite draft for a target (see dlite_ray/training)")
     from dlite_ray.training.cli_args import (  # keeps --help fast
@@ -304,6 +310,10 @@ def cmd_build_kernels(args) -> int:
 def cmd_soak(args) -> int:
     from dlite_ray.bench.soak import run
 
+    if args.quick:
+        from dlite_ray.bench.soak import quick_args
+
+        quick_args(args)
     return 0 if run(args)["verdict"]["pass"] else 1
 
 

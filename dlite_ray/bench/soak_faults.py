@@ -120,6 +120,11 @@ class FaultInjector:
     def now_s(self) -> float:
         return self.clock() - self.origin
 
+    @property
+    def running(self) -> bool:
+        """Whether faults of the plan are still to inject or to recover."""
+        return self._thread.is_alive()
+
     def run(self) -> None:
         for planned in self.plan:
             delay = self.phase_start_s + planned.at_s - self.now_s()
@@ -182,7 +187,7 @@ class RayFaults:
             self._draft_restarts = stats.draft_restarts
             if not self.worker.kill_draft.remote().result(timeout_s=self.timeout_s):
                 raise RuntimeError("the TargetWorker has no draft actor to kill")
-            return f"draft of TargetWorker {stats['replica']} (restarts so far: {self._draft_restarts})"
+            return f"draft of TargetWorker {stats.replica} (restarts so far: {self._draft_restarts})"
         names = self.replicas(DEPLOYMENTS[kind])
         if not names:
             raise RuntimeError(f"no live {DEPLOYMENTS[kind]} replica")
