@@ -6,7 +6,6 @@ from __future__ import annotations
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.worker_messages import WorkerStats
 
-
 # the draft's figures carry the replica they are of (issue 53 item 8)
 CONNECTED, RESTARTS = 'dlite_draft_connected{replica="r"}', 'dlite_draft_restarts{replica="r"}'
 
