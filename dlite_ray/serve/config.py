@@ -20,7 +20,9 @@ class EngineArgs(BaseModel):
         "auto", description="weights and activations dtype; auto = bfloat16 on a GPU and on CPUs with AVX-512 BF16 "
                             "or AMX, float32 on other CPUs")
     device: Literal["cpu", "cuda"] = Field("cpu", description="device of the target (and of the draft, on its own GPU)")
-    attention_backend: Literal["auto", "sdpa", "flash_attn"] = Field("auto", description="target attention kernel")
+    attention_backend: Literal["auto", "sdpa", "flash_attn", "triton"] = Field(
+        "auto", description="target attention kernel: auto = flash_attn where installed on CUDA, else triton on "
+                            "CUDA, else sdpa")
     num_draft_tokens: int = Field(7, ge=0, le=32, description="K: most tokens drafted per round")
     adaptive_draft_length: bool = Field(True, description="choose K per request and step from measured costs")
     lookup_tokens: int | None = Field(
