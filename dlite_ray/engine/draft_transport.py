@@ -29,6 +29,9 @@ class DraftRequest:
     num_tokens: int  # K for this call (<= block_size - 1)
     sampling: RowSampling
     draft_greedy: torch.Tensor  # [N] bool: rows drafting by argmax
+    # whether every row drafts by argmax, known on the host from the requests (None: the
+    # draft reads draft_greedy, a device read inside the round)
+    all_greedy: bool | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -63,7 +66,7 @@ class InProcessDraftTransport:
 
     def propose(self, request: DraftRequest) -> DraftProposal:
         return self.draft.propose(request.features, request.token_groups, request.num_tokens,
-                                  request.sampling, request.draft_greedy)
+                                  request.sampling, request.draft_greedy, request.all_greedy)
 
     def close(self) -> None:
         pass

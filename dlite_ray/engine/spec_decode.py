@@ -249,24 +249,25 @@ class SpecDecoder:
         g = self.draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
         device = self.runner.device
+        greedy = [s.params.mode != REJECTION for s in sub]
         request = DraftRequest(
             token_groups=torch.tensor([_token_group(s.token_ids, g) for s in sub], dtype=torch.long, device=device),
             features=torch.stack([s.pivot_features for s in sub]) if sub[0].pivot_features is not None else None,
             num_tokens=max(ks[i] for i in rows),
             sampling=_row_sampling(sub, device),
-            draft_greedy=torch.tensor([s.params.mode != REJECTION for s in sub], device=device),
+            draft_greedy=torch.tensor(greedy, device=device),
+            all_greedy=all(greedy),
         )
         failure = None
         with _timer(device) as t:
             try:
                 proposal = self.draft.propose(request)
-                tokens = proposal.tokens.tolist()
+                tokens, others = _proposed_lists(proposal)
             except DraftUnavailable as exc:
                 failure = exc
         if failure is not None:
             log.warning("draft unavailable, decoding plainly this step: %s", failure)
             return drafts, runners_up, None, t.elapsed, True
-        others = proposal.runners_up.tolist() if proposal.runners_up is not None else None
         for j, i in enumerate(rows):
             drafts[i] = tokens[j][:ks[i]]
             runners_up[i] = others[j][:ks[i]] if others is not None else []
@@ -340,7 +341,17 @@ class SpecDecoder:
                     q = _stack_q([q_rows[i] for i in idx], width - 1, p)
                     a, t = verify_rejection(p, q, draft_t[it], num[it], rs.generators)
             accepted[it], next_tokens[it] = a, t
-        return accepted.tolist(), next_tokens.tolist()  # the step's host sync for verification
+        accepted, next_tokens = torch.stack([accepted, next_tokens]).tolist()  # the step's one read of the verify
+        return accepted, next_tokens
+
+
+def _proposed_lists(proposal) -> tuple[list[list[int]], list[list[int]] | None]:
+    """A draft's tokens and runners-up on the host, in one read of the device."""
+    if proposal.runners_up is None:
+        return proposal.tokens.tolist(), None
+    k = proposal.tokens.shape[1]
+    both = torch.cat([proposal.tokens, proposal.runners_up.to(proposal.tokens)], dim=1).tolist()
+    return [row[:k] for row in both], [row[k:] for row in both]
 
 
 def _verify_mode(seq: Sequence, copied: bool) -> str:

@@ -28,7 +28,7 @@ from dlite_ray.runtime.draft_layer_loop import DraftLayerLoop
 from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
-from dlite_ray.runtime.sampling import RowSampling, probabilities, sample
+from dlite_ray.runtime.sampling import RowSampling, probabilities, race, uniforms
 from dlite_ray.runtime.sequential_head import DLiteSequentialHead
 
 log = logging.getLogger(__name__)
@@ -137,10 +137,12 @@ class DLiteDraftModel(nn.Module):
     # -- inference --------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, features: torch.Tensor, token_groups: torch.Tensor, num_tokens: int,
-                sampling: RowSampling, draft_greedy: torch.Tensor) -> DraftProposal:
+                sampling: RowSampling, draft_greedy: torch.Tensor, all_greedy: bool | None = None) -> DraftProposal:
         """Draft `num_tokens` (<= B - 1) tokens per row; sampling happens inside the head's loop.
 
         draft_greedy [N] bool: rows that draft by argmax (greedy verification, match mode).
+        all_greedy: whether every row does, as the caller knows from the requests' params;
+        None reads it from draft_greedy (a host sync on an accelerator, before the round).
         """
         if not 1 <= num_tokens <= self.cfg.max_draft_tokens:
             raise ValueError(f"num_tokens={num_tokens} outside [1, {self.cfg.max_draft_tokens}]")
@@ -153,15 +155,20 @@ class DLiteDraftModel(nn.Module):
         prev = token_groups[:, -2] if token_groups.shape[1] > 1 else None
         state = head.initial_state(u.shape[0], u, prev)
         token = token_groups[:, -1]
-        if bool(draft_greedy.all()):
+        if all_greedy is None:
+            all_greedy = bool(draft_greedy.all())
+        if all_greedy:
             tokens, runners_up = head.greedy_block(u, state, token)
             return DraftProposal(tokens, None, runners_up=runners_up)
         tokens, probs, runners_up = [], [], []
+        noise = None  # [N, K, W]: the round's uniforms, drawn at once (the same streams as K draws)
         for k in range(num_tokens):
             state = head.advance(state, token)
             logits = head.draft_logits(state, u[:, k]).float()
+            if noise is None:
+                noise = uniforms((num_tokens, logits.shape[-1]), sampling.generators, logits.device)
             q = probabilities(logits[:, None], _safe_temperature(sampling))
-            index = torch.where(draft_greedy, logits.argmax(dim=-1), sample(q, sampling.generators)[:, 0])
+            index = torch.where(draft_greedy, logits.argmax(dim=-1), race(q[:, 0], noise[:, k]))
             probs.append(q[:, 0])
             runners_up.append(head.to_token_ids(logits.scatter(-1, index[:, None], -torch.inf).argmax(dim=-1)))
             token = head.to_token_ids(index)

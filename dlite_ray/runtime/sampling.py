@@ -83,13 +83,19 @@ def probabilities(logits: torch.Tensor, s: RowSampling) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """probs [B, N, V] -> tokens [B, N] by the exponential race argmax(p / E), E ~ Exp(1)."""
-    noise = uniforms(tuple(probs.shape[1:]), generators, probs.device)
+    return race(probs, uniforms(tuple(probs.shape[1:]), generators, probs.device))
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`sample` with its uniforms drawn beforehand: probs and noise [..., V] -> tokens [...]."""
     return (probs / -torch.log(noise.clamp_min(1e-20))).argmax(dim=-1)
 
 
 def uniforms(shape: tuple[int, ...], generators: list[torch.Generator | None], device) -> torch.Tensor:
     """[B, *shape] uniforms, row b from generators[b]. A request's generator lives on the
-    CPU, so its row is drawn there and copied to the rows' device (a no-op on the CPU)."""
+    CPU, so its row is drawn there and copied to the rows' device (a no-op on the CPU). A CPU
+    generator's stream is sequential: one call of shape [K, *rest] draws what K calls of
+    [1, *rest] would (tests/runtime/test_sampling.py), so a round may take its draws at once."""
     draws = [torch.rand(shape, generator=g, device=device if g is None else g.device) for g in generators]
     return torch.stack([d.to(device, non_blocking=True) for d in draws])
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError, select_target_layers
 from dlite_ray.runtime.draft_model import DLiteDraftModel, build_block_position_ids
-from dlite_ray.runtime.sampling import RowSampling
+from dlite_ray.runtime.sampling import RowSampling, probabilities, sample
 from tests.conftest import read_config
 from tests.engine.conftest import random_draft
 
@@ -76,6 +76,50 @@ def test_a_bf16_draft_drafts_through_a_float32_head(saved_draft):
     assert out.tokens.shape == (2, 5) and out.probs.dtype == torch.float32
     torch.testing.assert_close(out.probs.sum(-1), torch.ones(2, 5))
     assert (out.probs[0].gather(-1, out.tokens[0, :, None]) > 0).all()  # drawn where q is positive
+
+
+@torch.inference_mode()
+def _drafted_position_by_position(draft, feats, groups, k, s, greedy):
+    """The round as the draft ran it before its draws were taken at once: each position's
+    uniforms drawn from the rows' generators when it is reached."""
+    head = draft.sequential_head
+    num_masks = draft.cfg.max_draft_tokens if draft.cfg.conventions.always_full_block else k
+    u = draft.backbone(feats, groups, num_masks)[:, :k].to(head.state_proj.weight.dtype)
+    state, token, tokens = head.initial_state(u.shape[0], u, None), groups[:, -1], []
+    t = torch.where(s.temperature > 0, s.temperature, torch.ones_like(s.temperature))
+    for j in range(k):
+        state = head.advance(state, token)
+        logits = head.draft_logits(state, u[:, j]).float()
+        q = probabilities(logits[:, None], RowSampling(t, s.top_k, s.top_p, s.generators))
+        token = head.to_token_ids(torch.where(greedy, logits.argmax(dim=-1), sample(q, s.generators)[:, 0]))
+        tokens.append(token)
+    return torch.stack(tokens, dim=1)
+
+
+def test_a_seeded_round_drafts_what_position_by_position_draws_gave(saved_draft):
+    """The round's uniforms are drawn at once: a seed's drafted tokens stay what they were."""
+    target, draft, _ = saved_draft
+    feats, groups = torch.randn(3, draft.cfg.num_slots, target.cfg.hidden_size), torch.tensor([[5], [9], [17]])
+    greedy = torch.tensor([False, True, False])
+
+    def sampling():
+        return RowSampling.build([0.9, 0.0, 1.3], [0, 0, 20], [1.0, 1.0, 0.9],
+                                 [torch.Generator().manual_seed(40 + i) for i in range(3)])
+
+    want = _drafted_position_by_position(draft, feats, groups, 5, sampling(), greedy)
+    assert torch.equal(draft.propose(feats, groups, 5, sampling(), greedy, all_greedy=False).tokens, want)
+
+
+def test_a_round_known_greedy_reads_nothing_from_the_device(saved_draft):
+    """all_greedy comes from the requests' params: the flags tensor is not read (on the meta
+    device, any read of it raises)."""
+    target, draft, _ = saved_draft
+    feats = torch.randn(2, draft.cfg.num_slots, target.cfg.hidden_size)
+    s = RowSampling.build([0.0, 0.0], [0, 0], [1.0, 1.0], [None, None])
+    unreadable = torch.ones(2, dtype=torch.bool, device="meta")
+    out = draft.propose(feats, torch.tensor([[5], [9]]), 5, s, unreadable, all_greedy=True)
+    read = draft.propose(feats, torch.tensor([[5], [9]]), 5, s, torch.ones(2, dtype=torch.bool))
+    assert torch.equal(out.tokens, read.tokens)
 
 
 def _edit_config(path, fn):

@@ -9,6 +9,7 @@ from dlite_ray.runtime.sampling import (
     RowSampling,
     probabilities,
     sample,
+    uniforms,
     verify_greedy,
     verify_greedy_row,
     verify_match,
@@ -136,3 +137,12 @@ def test_seeded_sampling_is_reproducible():
     a = sample(p, [torch.Generator().manual_seed(i) for i in range(4)])
     b = sample(p, [torch.Generator().manual_seed(i) for i in range(4)])
     assert torch.equal(a, b)
+
+
+def test_a_round_drawn_at_once_is_the_stream_of_its_draws():
+    """The draft takes a round's uniforms in one call per row (no host work per drafted
+    token): a seeded row must get what K calls of one position each gave it."""
+    at_once = uniforms((5, V), [torch.Generator().manual_seed(i) for i in range(3)], "cpu")
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    one_by_one = torch.stack([uniforms((1, V), gens, "cpu")[:, 0] for _ in range(5)], dim=1)
+    assert torch.equal(at_once, one_by_one)
