@@ -27,9 +27,14 @@ kernels: $(STAMP)
 model: $(STAMP)
 	$(BIN)/dlite-ray fetch-model
 
+# the suite runs in a random order (pytest-randomly); the seed is printed, and `make test SEED=N`
+# repeats an order
+SEED ?= $(shell $(PY) -c 'import random; print(random.randrange(1 << 32))')
+
 test: setup
 	$(BIN)/ruff check dlite_ray tests
-	$(BIN)/python -m pytest -q -x --durations=15
+	@echo "test order: --randomly-seed=$(SEED)"
+	$(BIN)/python -m pytest -q -x --durations=15 -p randomly --randomly-seed=$(SEED)
 
 serve: setup
 	$(BIN)/serve run deployments/dlite.yaml
