@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +22,11 @@ from typing import Any
 import torch
 
 from dlite_ray.constants import KV_BLOCK_SIZE
+from dlite_ray.engine.graph_runner import GraphConfig, is_graph_safe
 from dlite_ray.engine.model_runner import ModelRunner
-from dlite_ray.gpu_check import exactness, gemm_settings, timing, transport
+from dlite_ray.gpu_check import end_to_end, exactness, gemm_settings, timing, transport
 from dlite_ray.gpu_check.random_models import DRAFT_8B, DRAFT_SMALL, QWEN3_8B, QWEN3_SMALL, random_draft, random_target
+from dlite_ray.runtime.attention import make_backend
 from dlite_ray.runtime.attention.flash import flash_attn_available
 
 log = logging.getLogger(__name__)
@@ -38,19 +42,27 @@ class CheckPlan:
     step_shapes: list[tuple[int, int]]  # (batch, context) of the step timings
     draft_batches: list[int]
     bandwidth_mb: int
+    end_to_end: list[tuple[int, int]]  # (batch, context) of the oracle-against-plain generations
+    end_to_end_tokens: int  # new tokens per request there
 
 
+# The full plan's budget: 8 minutes on one GPU, so that it runs twice in a quarter hour. The
+# sections before `end_to_end` took 68 s on an H200 (gpu-check-h200-final.json); the steps
+# run twice now (graphs off and on, with kernel counts), ~60 s with captures; end_to_end
+# prefills 73 x 4K tokens twice and decodes 64 tokens per request (estimated 2-3 min).
 FULL = CheckPlan(QWEN3_8B, DRAFT_8B, [37, 211, 530, 96, 1030, 64, 300, 17], 48,
                  [4000, 97, 1500, 33, 700, 2100, 260, 9000],
-                 [(1, 4096), (8, 4096), (64, 4096), (1, 32768), (8, 32768)], [1, 8, 64], 4096)
+                 [(1, 4096), (8, 4096), (64, 4096), (1, 32768), (8, 32768)], [1, 8, 64], 4096,
+                 [(1, 4096), (8, 4096), (64, 4096)], 64)
 SMALL = CheckPlan(QWEN3_SMALL, DRAFT_SMALL, [9, 40, 23, 70, 12, 31, 5, 50], 24,
-                  [300, 17, 90, 130], [(1, 256), (4, 1024)], [1, 4], 16)
+                  [300, 17, 90, 130], [(1, 256), (4, 1024)], [1, 4], 16,
+                  [(1, 128), (4, 128)], 16)
 
 
 def run_checks(out: Path, small: bool, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> dict:
     plan = SMALL if small else FULL
     report: dict[str, Any] = {"plan": "small" if small else "qwen3-8b", "dtype": str(dtype).removeprefix("torch."),
-                              "versions": _versions(device)}
+                              "commit": _commit(), "versions": _versions(device)}
     started = time.perf_counter()
 
     def section(name: str, fn) -> Any:
@@ -73,9 +85,12 @@ def run_checks(out: Path, small: bool, device: torch.device, dtype: torch.dtype 
         target, draft, b, plan.prompt_lengths, plan.new_tokens, max_kv_tokens=32768) for b in (1, 8)})
     section("rejection", lambda: exactness.rejection_chi_square(device))
     section("steps", lambda: _step_times(target, taps, plan))
+    section("graphs", lambda: _graph_steps(target, taps, plan, report["steps"]))
     section("draft", lambda: [timing.draft_times(draft, b) for b in plan.draft_batches])
     section("bandwidth", lambda: _bandwidth(target, device, plan))
     section("gemm_settings", lambda: gemm_settings.compare_settings(_linear_shapes(target.cfg), dtype, device))
+    section("end_to_end", lambda: [end_to_end.compare(target, b, c, plan.end_to_end_tokens, cuda_graphs=True)
+                                   for b, c in plan.end_to_end])
     # last: a draft process on the same device would skew the timings above
     section("transport", lambda: transport.one_device_pair(target, draft, plan.target, plan.draft, plan.prompt_lengths,
                                                            plan.new_tokens))
@@ -93,16 +108,52 @@ def _row_exactness(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan) 
               "batch8": exactness.row_exactness(runner, plan.row_contexts, target.cfg.vocab_size)}
     del runner
     _free_cache()
+    config = _graph_config(target, plan)
+    if config is not None:  # the same check with both steps through the graph runner's buckets
+        runner = ModelRunner(target, taps[0], sum(plan.row_contexts) + 1024, KV_BLOCK_SIZE, "auto",
+                             normed_last_tap=taps[1], graphs=config)
+        result["graphs_batch8"] = exactness.row_exactness(runner, plan.row_contexts, target.cfg.vocab_size)
+        del runner
+        _free_cache()
     return result
 
 
-def _step_times(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan) -> list[dict]:
+def _graph_config(target, plan: CheckPlan) -> GraphConfig | None:
+    """CUDA graphs where the backend is graph-safe on CUDA; on a CPU the graph runner's
+    padding, run eagerly; None on CUDA with a backend that is not graph-safe."""
+    param = next(target.parameters())
+    if param.device.type == "cuda" and not is_graph_safe(make_backend("auto", param.device, param.dtype)):
+        return None
+    return GraphConfig(max(b for b, _ in plan.step_shapes), (1, exactness.VERIFY_ROWS),
+                       capture=param.device.type == "cuda")
+
+
+def _step_times(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan,
+                graphs: GraphConfig | None = None) -> list[dict]:
     kv_tokens = max(b * (c + 2 * KV_BLOCK_SIZE) for b, c in plan.step_shapes)
-    runner = ModelRunner(target, taps[0], kv_tokens, KV_BLOCK_SIZE, "auto", normed_last_tap=taps[1])
+    runner = ModelRunner(target, taps[0], kv_tokens, KV_BLOCK_SIZE, "auto", normed_last_tap=taps[1], graphs=graphs)
     rows = [timing.step_times(runner, b, c) for b, c in plan.step_shapes]
+    stats = runner.graphs.stats.to_dict() if runner.graphs is not None else None
     del runner
     _free_cache()
-    return rows
+    return rows if stats is None else [dict(r, graph_stats=stats) for r in rows]
+
+
+def _graph_steps(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan, eager: list[dict]) -> dict:
+    """The steps again through the graph runner, beside the eager ones: CUDA graphs where
+    the backend is graph-safe on CUDA; on a CPU its bucketing and padding run eagerly (the
+    path checked, no speed claimed); on CUDA with a backend that is not graph-safe, skipped."""
+    config = _graph_config(target, plan)
+    if config is None:
+        param = next(target.parameters())
+        name = make_backend("auto", param.device, param.dtype).name
+        return {"mode": "off", "reason": f"the {name} backend is not graph-safe", "steps": []}
+    mode = "cuda_graphs" if config.capture else "padded_eager"
+    rows = _step_times(target, taps, plan, config)
+    side_by_side = [{"batch": g["batch"], "context": g["context"], "decode_ms": e["decode_ms"],
+                     "graph_decode_ms": g["decode_ms"], "verify_ms": e["verify_ms"], "graph_verify_ms": g["verify_ms"],
+                     "launches": e["launches"], "graph_launches": g["launches"]} for e, g in zip(eager, rows)]
+    return {"mode": mode, "reason": None, "steps": side_by_side, "stats": rows[-1]["graph_stats"] if rows else None}
 
 
 def _bandwidth(target, device: torch.device, plan: CheckPlan) -> dict:
@@ -113,12 +164,13 @@ def _bandwidth(target, device: torch.device, plan: CheckPlan) -> dict:
 
 def _exact_flags(report: dict) -> dict[str, bool]:
     rows, greedy, rejection = report["row_exactness"], report["greedy"], report["rejection"]
-    flags = {f"row_{b}_equal": rows[b]["equal"] for b in ("batch1", "batch8")}
+    flags = {f"row_{b}_equal": rows[b]["equal"] for b in ("batch1", "batch8", "graphs_batch8") if b in rows}
     for b, result in greedy.items():
         flags[f"spec_greedy_{b}_equal"] = result["draft_equal"]
         flags[f"oracle_greedy_{b}_equal"] = result["oracle_equal"]
     # the law is kept if the exact sampler passes and the broken one is caught by the same test
     flags["rejection_law_equal"] = rejection["p_value"] > 1e-3 and rejection["broken_sampler_p_value"] < 1e-6
+    flags["end_to_end_greedy_equal"] = all(row["greedy_equal"] for row in report["end_to_end"])
     flags["one_device_proposals_equal"] = report["transport"]["proposals_equal"]
     flags["killed_draft_greedy_equal"] = report["transport"]["killed_draft_greedy_equal"]
     return flags
@@ -141,6 +193,19 @@ def _linear_shapes(cfg) -> dict[str, tuple[int, int]]:
     return {"qkv": (q + 2 * kv, cfg.hidden_size), "o_proj": (cfg.hidden_size, q),
             "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size),
             "down_proj": (cfg.hidden_size, cfg.intermediate_size)}
+
+
+def _commit() -> str:
+    """The commit this check ran at: DLITE_COMMIT where set (a copy of the tree without its
+    .git, as a device session gets), else the checkout's HEAD, else "unknown"."""
+    if os.environ.get("DLITE_COMMIT"):
+        return os.environ["DLITE_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return done.stdout.strip() or "unknown"
 
 
 def _weight_bytes(model) -> int:

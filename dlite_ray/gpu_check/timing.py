@@ -18,18 +18,52 @@ from dlite_ray.runtime.sampling import RowSampling
 
 
 def timed_ms(fn: Callable[[], object], device: torch.device, warmup: int = 2, repeats: int = 7) -> float:
-    """Median wall time of fn in ms, the device queue drained around each call."""
+    """Median time of fn in ms, the device queue drained before each call: on CUDA between
+    two events on the stream (the host's launches and the GPU's work both inside, nothing
+    of the synchronisation after), elsewhere by the wall clock."""
     times = []
     for i in range(warmup + repeats):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        start = time.perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            elapsed = start.elapsed_time(end) / 1000
+        else:
+            t0 = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(elapsed)
+    return 1000 * statistics.median(times)
+
+
+# What the host calls to start work on the GPU (a graph replay is one call).
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch",
+                "cudaMemcpyAsync", "cudaMemsetAsync")
+
+
+def launch_counts(fn: Callable[[], object], device: torch.device) -> dict:
+    """What one call of fn launches, from torch.profiler: on CUDA the host's launch calls
+    (`host_launches`; a graph replay counts once) and the kernels the GPU ran
+    (`device_kernels`); on a CPU, where nothing is launched, the aten operations run
+    (`aten_ops`), a proxy for the same Python-side cost."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()  # warm: lazy initialisation and first-call work stay out of the count
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    events = prof.events()
+    if device.type != "cuda":
+        return {"aten_ops": sum(1 for e in events if e.name.startswith("aten::"))}
+    return {"host_launches": sum(1 for e in events if e.name in LAUNCH_CALLS),
+            "device_kernels": sum(1 for e in events if e.device_type == DeviceType.CUDA)}
 
 
 def copy_bandwidth_gbs(device: torch.device, megabytes: int) -> float:
@@ -55,10 +89,11 @@ def step_times(runner: ModelRunner, batch: int, context: int) -> dict:
 
     device = runner.device
     decode, verify = timed_ms(forward(1), device), timed_ms(forward(VERIFY_ROWS), device)
+    launches = {"decode": launch_counts(forward(1), device), "verify": launch_counts(forward(VERIFY_ROWS), device)}
     for seq in seqs:
         runner.blocks.free(seq.block_table)
     return {"batch": batch, "context": context, "decode_ms": decode, "verify_ms": verify,
-            "verify_over_decode": verify / decode}
+            "verify_over_decode": verify / decode, "launches": launches}
 
 
 def draft_times(draft: DLiteDraftModel, batch: int) -> dict:

@@ -15,9 +15,22 @@ def test_small_check_writes_every_section_and_all_flags_hold(tmp_path):
     out = tmp_path / "gpu-check.json"
     report = run_checks(out, small=True, device=torch.device("cpu"))
     written = json.loads(out.read_text())
-    for section in ("versions", "models", "linear_plan", "row_exactness", "greedy", "rejection", "steps", "draft",
-                    "bandwidth", "transport", "gemm_settings", "exact"):
+    for section in ("commit", "versions", "models", "linear_plan", "row_exactness", "greedy", "rejection", "steps",
+                    "graphs", "draft", "bandwidth", "end_to_end", "transport", "gemm_settings", "exact"):
         assert section in written, section
+    assert len(written["commit"]) == 40 or written["commit"] == "unknown"
+    for step in written["steps"]:
+        assert step["launches"]["decode"]["aten_ops"] > 0 and step["launches"]["verify"]["aten_ops"] > 0
+    graphs = written["graphs"]  # on a CPU the graph runner's padding runs eagerly, beside the plain steps
+    assert graphs["mode"] == "padded_eager" and graphs["stats"]["padded_eager"] > 0
+    assert report["exact"]["row_graphs_batch8_equal"]  # verify and decode rows through the buckets agree
+    assert [(g["batch"], g["context"]) for g in graphs["steps"]] == [(s["batch"], s["context"]) for s in written["steps"]]
+    assert all(g["graph_decode_ms"] > 0 and g["graph_verify_ms"] > 0 for g in graphs["steps"])
+    for row in written["end_to_end"]:
+        assert set(row) >= {"batch", "context", "tau", "dlite_tokens_per_second", "ar_tokens_per_second"}
+        assert row["dlite_tokens_per_second"] > 0 and row["ar_tokens_per_second"] > 0
+        assert 4.0 <= row["tau"] <= 5.0, row  # the oracle's fixed acceptance: 4.5 but for the last rounds'
+    assert [r["batch"] for r in written["end_to_end"]] == [1, 4]
     assert all(name.endswith("_equal") for name in report["exact"])
     assert report["exact"] and report["all_equal"], report["exact"]
     assert report["greedy"]["batch8"]["oracle_mean_accept_length"] > 2  # drafts were accepted, not only rejected
