@@ -24,7 +24,8 @@ def test_small_check_writes_every_section_and_all_flags_hold(tmp_path):
     graphs = written["graphs"]  # on a CPU the graph runner's padding runs eagerly, beside the plain steps
     assert graphs["mode"] == "padded_eager" and graphs["stats"]["padded_eager"] > 0
     assert report["exact"]["row_graphs_batch8_equal"]  # verify and decode rows through the buckets agree
-    assert [(g["batch"], g["context"]) for g in graphs["steps"]] == [(s["batch"], s["context"]) for s in written["steps"]]
+    shapes = [(s["batch"], s["context"]) for s in written["steps"]]
+    assert [(g["batch"], g["context"]) for g in graphs["steps"]] == shapes
     assert all(g["graph_decode_ms"] > 0 and g["graph_verify_ms"] > 0 for g in graphs["steps"])
     for row in written["end_to_end"]:
         assert set(row) >= {"batch", "context", "tau", "dlite_tokens_per_second", "ar_tokens_per_second"}
