@@ -31,7 +31,7 @@ def test_the_quick_soak_injects_every_fault_and_passes(tmp_path, default_model_d
     assert sorted(f["kind"] for f in injected) == sorted(FAULT_KINDS), report["faults"]
     failed = {name: check for name, check in report["verdict"]["checks"].items() if not check["ok"]}
     assert report["verdict"]["pass"], failed
-    assert report["tenant_a"]["requests"] > 0 if "requests" in report["tenant_a"] else report["tenant_a"]
+    assert report["tenant_a"]["requests"] > 0  # the abusive tenant ran
     assert done.returncode == 0, done.stdout[-2000:]
 
 
