@@ -11,7 +11,8 @@ forever at 0% CPU. So a build here:
   its process dies, so a torch `lock` found while holding it has no live owner and is
   removed;
 - waits for a live builder only up to a deadline, then raises KernelBuildTimeout (the
-  caller runs the eager operations and says so).
+  caller runs the eager operations and says so);
+- imports a module already linked there directly, without asking ninja again.
 
 `dlite-ray build-kernels` (run by `make setup` and the Dockerfile) builds ahead of first use.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -79,7 +81,8 @@ def default_root() -> Path:
     """torch's extension root (TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions/...)."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root())
+    # torch's own helper ignores TORCH_EXTENSIONS_DIR (only its loader reads it)
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
 
 
 def load_kernels(build: KernelBuild, wait_s: float, loader: Loader | None = None) -> ModuleType:
@@ -91,8 +94,33 @@ def load_kernels(build: KernelBuild, wait_s: float, loader: Loader | None = None
     directory.mkdir(parents=True, exist_ok=True)
     with _owner_lock(directory / OWNER_LOCK, wait_s):
         _remove_stale_torch_lock(directory)
+        built = _import_built(build, directory)
+        if built is not None:
+            return built
         return loader(name=build.module_name, sources=[str(s) for s in build.sources],
                       extra_cflags=list(build.cflags), build_directory=str(directory))
+
+
+def _import_built(build: KernelBuild, directory: Path) -> ModuleType | None:
+    """The module already linked in this directory, imported without asking ninja: the
+    directory's name is the key of what was compiled, while ninja compares whole command
+    lines, which differ between processes that see another compiler or include path (seen:
+    Ray's actors and the test suite rebuilt the same sources in turn, minutes each on 2
+    cores, until a draft actor's start timed out). None where nothing was linked yet, or
+    what was is unreadable (a link killed midway): then the loader builds."""
+    library = directory / f"{build.module_name}.so"
+    if not library.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(build.module_name, library)
+    if spec is None or spec.loader is None:
+        return None
+    try:
+        module = importlib.util.module_from_spec(spec)  # dlopen: where a truncated file fails
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        log.warning("rebuilding the kernels: %s does not load (%s)", library, exc)
+        return None
+    return module
 
 
 @contextlib.contextmanager

@@ -116,3 +116,36 @@ def test_a_start_during_a_live_build_past_the_deadline_runs_eagerly_and_says_so(
     assert done.returncode == 0, done.stderr
     assert "kernels: None" in done.stdout
     assert "using eager PyTorch operations" in done.stderr
+
+
+def _link_module(path: Path, name: str) -> None:
+    """A real, minimal extension module `name` at `path` (plain CPython, no torch)."""
+    import sysconfig
+
+    source = path.with_suffix(".c")
+    source.write_text(textwrap.dedent(f"""
+        #include <Python.h>
+        static struct PyModuleDef def = {{PyModuleDef_HEAD_INIT, "{name}", NULL, -1, NULL}};
+        PyMODINIT_FUNC PyInit_{name}(void) {{ return PyModule_Create(&def); }}
+    """))
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(path)],
+                   check=True)
+
+
+def test_a_module_already_linked_is_imported_without_the_loader(tmp_path):
+    """ninja compares whole command lines, which differ between processes (Ray's actors saw
+    another include path): the directory's key already says what was compiled."""
+    build = _build(tmp_path, "int f() { return 1; }")
+    build.directory.mkdir(parents=True)
+    _link_module(build.directory / f"{build.module_name}.so", build.module_name)
+    calls = []
+    module = load_kernels(build, wait_s=1, loader=lambda **kw: calls.append(kw))
+    assert module.__name__ == build.module_name and calls == []
+
+
+def test_an_unreadable_module_is_built_again(tmp_path):
+    build = _build(tmp_path, "int f() { return 2; }")
+    build.directory.mkdir(parents=True)
+    (build.directory / f"{build.module_name}.so").write_bytes(b"a link killed midway")
+    rebuilt = load_kernels(build, wait_s=1, loader=lambda name, **kw: sys.modules.setdefault(name, "built"))
+    assert rebuilt == "built"
