@@ -7,8 +7,10 @@ import argparse
 import json
 import logging
 import sys
+import types
+import typing
 
-from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TREE_TOKENS
+from dlite_ray.constants import DEFAULT_MAX_NEW_TOKENS
 from dlite_ray.engine.stream_text import TextStream
 
 # "auto": bf16 where the CPU has AVX-512 BF16 or AMX (or on an accelerator), else float32
@@ -181,26 +183,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=None, help="HF directory or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--draft", default="default", help="draft checkpoint directory, 'default' or 'none'")
-    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--num-draft-tokens", type=int, default=7)
-    p.add_argument("--verify-block-size", type=int, default=None)
-    p.add_argument("--lookup-tokens", type=int, default=None,
-                   help="most tokens copied from the context per round (default 15 with a draft, 0 with none)")
-    p.add_argument("--tree-tokens", type=int, default=DEFAULT_TREE_TOKENS,
-                   help="most tokens of other branches (the draft's runners-up, other continuations from the "
-                        "context) verified next to a round's draft or copy, as a tree (0 = off, the default)")
+    """A flag per engine knob (--max-num-seqs for max_num_seqs), with EngineConfig's default and description."""
+    from dlite_ray.engine.engine_config import knob_fields, knob_types
+
+    hints = knob_types()
+    for name, knob in knob_fields().items():
+        p.add_argument("--" + name.replace("_", "-"), default=knob.default, help=knob.metadata["help"],
+                       **_flag_reading(hints[name]))
+
+
+def _flag_reading(hint) -> dict:
+    """How argparse reads a knob of type `hint`: X | None as X (the default is None), str | Path as str,
+    a bool as --x / --no-x, a Literal as its choices, a tuple as a list of values."""
+    kind = [t for t in typing.get_args(hint) if t is not type(None)][0] if isinstance(hint, types.UnionType) else hint
+    if kind is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if typing.get_origin(kind) is typing.Literal:
+        return {"choices": typing.get_args(kind)}
+    if typing.get_origin(kind) is tuple:
+        return {"type": typing.get_args(kind)[0], "nargs": "+"}
+    return {"type": kind}
+
+
+def engine_config(args):
+    """The EngineConfig that a command's engine flags (_model_args) name."""
+    from dlite_ray.engine.engine_config import config_from_knobs, knob_fields
+
+    return config_from_knobs({name: getattr(args, name) for name in knob_fields()})
 
 
 def _engine(args):
     from dlite_ray.engine.engine import DLiteEngine
 
-    return DLiteEngine.from_pretrained(args.target, args.draft, device=args.device, dtype=args.dtype,
-                                       num_draft_tokens=args.num_draft_tokens,
-                                       verify_block_size=args.verify_block_size, lookup_tokens=args.lookup_tokens,
-                                       tree_tokens=args.tree_tokens)
+    return DLiteEngine.from_config(engine_config(args))
 
 
 def cmd_generate(args) -> int:

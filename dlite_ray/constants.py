@@ -11,9 +11,8 @@ CACHE_ENV_VAR = "DLITE_RAY_CACHE"
 KV_BLOCK_SIZE = 16
 DEFAULT_MAX_KV_TOKENS = 65536
 
-# DLite round (REFERENCE.md section 1): K drafted tokens, block of K + 1 with the anchor.
+# DLite round (REFERENCE.md section 1): K drafted tokens, verified in a row of K + 1 with the anchor.
 DEFAULT_NUM_DRAFT_TOKENS = 7
-DEFAULT_BLOCK_SIZE = DEFAULT_NUM_DRAFT_TOKENS + 1
 # Context lookup (engine/context_lookup.py): most tokens copied from the context per round.
 # 15 keeps a verify row within the 16 tokens that attention computes position-exactly.
 DEFAULT_LOOKUP_TOKENS = 15

@@ -6,8 +6,10 @@ and the checks that fit a draft to the engine (taps, verify lengths).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from typing import Any, Literal, get_type_hints
 
 import torch
 
@@ -59,49 +61,74 @@ def torch_dtype(name: str) -> torch.dtype:
 
 @dataclass(slots=True)
 class EngineConfig:
-    """target: HF directory or .gguf (None: the embedded SmolLM2-135M-Instruct);
-    draft: checkpoint directory, "default" (the shipped draft, for the embedded target
-    only) or None / "none" (plain decoding); lookup_tokens: most tokens copied from the
-    context per round (None: 15 with a draft, 0 without, so no draft is plain decoding);
-    reply_cache_tokens: tokens of earlier replies kept per namespace and copied where the
-    context has no match (engine/reply_cache.py; 0 = off; copies only where lookup_tokens > 0);
-    reply_corpus: copy from the target's own replies that trained the draft, shipped in the
-    draft's directory, where neither the context nor the reply cache has a match
-    (engine/reply_corpus.py; off by default: it gains on tool calls and code and loses at long
-    context, docs/design.md; only where lookup_tokens > 0 and the draft ships one);
-    tree_tokens: tokens of other branches (the draft's runners-up, other continuations from
-    the context) verified next to a round's main proposal, as a tree (engine/candidate_tree.py;
-    0 = off, the default; only where lookup_tokens > 0);
-    tap_layers / normed_last_tap: target layers each forward returns and whether the last
-    one is final-normed (None: the draft's own; none without a draft);
-    cuda_graphs: decode and verify steps replayed from CUDA graphs per padded batch bucket
-    (engine/graph_runner.py); only on CUDA with an attention backend that is graph-safe,
-    elsewhere the flag is ignored (logged)."""
+    """Every knob of an engine, each with its default and its one-line description
+    (`metadata["help"]`). It is the one list: Serve's EngineArgs offers each knob with this
+    default and description (a test holds them equal), and `dlite-ray generate` makes its
+    flags from it; `knob_fields` lists them, the scheduler's in place of `scheduler`."""
 
-    target: str | Path | None = None
-    draft: str | Path | None = "default"
-    device: str = "cpu"
-    dtype: str = "auto"  # settled by resolve_dtype: bfloat16 where the hardware does bf16 math
-    attention_backend: str = "auto"
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
-    verify_block_size: int | None = None
-    adaptive_draft_length: bool = True
-    lookup_tokens: int | None = None
-    reply_cache_tokens: int = DEFAULT_REPLY_CACHE_TOKENS
-    reply_corpus: bool = False
-    tree_tokens: int = DEFAULT_TREE_TOKENS
-    max_kv_tokens: int = DEFAULT_MAX_KV_TOKENS
-    block_size: int = KV_BLOCK_SIZE
-    enable_prefix_cache: bool = True
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    boundary_capacity: int = DEFAULT_BOUNDARY_CAPACITY
-    tap_layers: tuple[int, ...] | None = None
-    normed_last_tap: bool | None = None
-    cuda_graphs: bool = False
+    target: str | Path | None = field(default=None, metadata={
+        "help": "HF directory or .gguf of the target; null = the embedded SmolLM2-135M-Instruct"})
+    draft: str | Path | None = field(default="default", metadata={
+        "help": "draft checkpoint directory, 'default' (the shipped draft, for the embedded target only) or "
+                "'none' (plain decoding)"})
+    device: str = field(default="cpu", metadata={
+        "help": "torch device of the target (and of a draft in the same process)"})
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = field(default="auto", metadata={
+        "help": "weights and activations dtype; auto = bfloat16 on an accelerator and on CPUs with AVX-512 BF16 "
+                "or AMX, float32 on other CPUs (where bf16 arithmetic is emulated and slower)"})
+    attention_backend: Literal["auto", "sdpa", "flash_attn", "triton"] = field(default="auto", metadata={
+        "help": "target attention kernel: auto = flash_attn where installed on CUDA, else triton on CUDA, "
+                "else sdpa"})
+    num_draft_tokens: int = field(default=DEFAULT_NUM_DRAFT_TOKENS, metadata={
+        "help": "K: most tokens drafted per round"})
+    verify_block_size: int | None = field(default=None, metadata={
+        "help": "most tokens of a verify row (its anchor and the tokens it checks): drafts and copies are cut "
+                "to one less; null = no cut beyond num_draft_tokens and lookup_tokens"})
+    adaptive_draft_length: bool = field(default=True, metadata={
+        "help": "choose K per request and step from measured costs"})
+    lookup_tokens: int | None = field(default=None, metadata={
+        "help": "most tokens copied from the context per round instead of drafted; null = 15 with a draft, "
+                "0 without (so no draft is plain decoding); 0 = off"})
+    reply_cache_tokens: int = field(default=DEFAULT_REPLY_CACHE_TOKENS, metadata={
+        "help": "tokens of earlier replies kept per tenant and copied where a request's context has no match "
+                "(engine/reply_cache.py; only where lookup_tokens > 0); 0 = off, the default (8192 holds ~70 "
+                "replies)"})
+    reply_corpus: bool = field(default=False, metadata={
+        "help": "copy from the target's training replies shipped with the draft (reply_corpus.safetensors) "
+                "where neither the context nor the reply cache has a match (engine/reply_corpus.py; only where "
+                "lookup_tokens > 0); shared by every tenant, it holds no user data. Off by default: it gains on "
+                "tool calls and code and loses at long context (docs/design.md)"})
+    tree_tokens: int = field(default=DEFAULT_TREE_TOKENS, metadata={
+        "help": "most tokens of other branches (the draft's runners-up, other continuations from the context) "
+                "verified next to a round's draft or copy, as a tree (engine/candidate_tree.py; only where "
+                "lookup_tokens > 0, and while the policy measures they pay); 0 = off, the default: on CPUs "
+                "verify rows cost more than they gain"})
+    max_kv_tokens: int = field(default=DEFAULT_MAX_KV_TOKENS, metadata={
+        "help": "paged KV pool size, in tokens"})
+    block_size: int = field(default=KV_BLOCK_SIZE, metadata={
+        "help": "tokens per KV block: the unit the pool allocates and the prefix cache reuses"})
+    enable_prefix_cache: bool = field(default=True, metadata={
+        "help": "reuse the KV of the full blocks an earlier request of the tenant computed for the same tokens, "
+                "and resume follow-up turns from stored boundaries; false = every prompt is computed whole"})
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # its knobs: scheduler.py
+    boundary_capacity: int = field(default=DEFAULT_BOUNDARY_CAPACITY, metadata={
+        "help": "finished requests' boundaries (KV, anchor and draft features: a follow-up turn resumes "
+                "without recompute) kept outside conversation leases, the least recently used going first"})
+    tap_layers: tuple[int, ...] | None = field(default=None, metadata={
+        "help": "target layers each forward returns for the draft; null = the draft's own (none without a "
+                "draft); other layers are refused with a draft"})
+    normed_last_tap: bool | None = field(default=None, metadata={
+        "help": "whether the last tapped layer is final-normed; null = as the draft reads it"})
+    cuda_graphs: bool = field(default=False, metadata={
+        "help": "replay decode and verify steps from CUDA graphs per padded batch bucket "
+                "(engine/graph_runner.py); only on CUDA with a graph-safe attention backend, elsewhere "
+                "ignored (logged)"})
 
     def __post_init__(self) -> None:
         self.device = normalize_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
+        if not self.target:  # "" as null: a deployment may leave the path empty
+            self.target = None
         if self.draft == "none":
             self.draft = None
         if self.scheduler is None:
@@ -120,6 +147,30 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+# -- the knobs, flat ------------------------------------------------------------------------------
+def knob_fields() -> dict[str, Field]:
+    """Every knob a user sets, by name: EngineConfig's fields with SchedulerConfig's in place of
+    `scheduler`. Serve's EngineArgs and the CLI's engine flags offer each of them."""
+    engine = {f.name: f for f in fields(EngineConfig) if f.name != "scheduler"}
+    scheduler = {f.name: f for f in fields(SchedulerConfig)}
+    assert not engine.keys() & scheduler.keys(), "a scheduler knob shadows an engine knob"
+    return engine | scheduler
+
+
+def knob_types() -> dict[str, Any]:
+    """Each knob's type (the annotations, resolved)."""
+    hints = get_type_hints(EngineConfig) | get_type_hints(SchedulerConfig)
+    return {name: hints[name] for name in knob_fields()}
+
+
+def config_from_knobs(knobs: Mapping[str, Any]) -> EngineConfig:
+    """An EngineConfig from flat knob values (Serve's EngineArgs, the CLI's flags): the scheduler's
+    go to its SchedulerConfig; a knob not named keeps its default; an unknown name is a TypeError."""
+    scheduler_names = {f.name for f in fields(SchedulerConfig)}
+    scheduler = SchedulerConfig(**{k: v for k, v in knobs.items() if k in scheduler_names})
+    return EngineConfig(**{k: v for k, v in knobs.items() if k not in scheduler_names}, scheduler=scheduler)
 
 
 # -- fitting a draft to the engine -------------------------------------------------------------

@@ -28,8 +28,12 @@ from dlite_ray.engine.sequence import FINISH_ABORT, InvalidRequest, Sequence, St
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_batch_tokens: int = 1024  # new tokens per forward (prefill chunks + verify rows)
+    """The scheduler's knobs, each with its default and description (EngineConfig's list takes them in)."""
+
+    max_num_seqs: int = field(default=64, metadata={
+        "help": "most requests running at once: the rows of one step's batch; more wait their turn"})
+    max_batch_tokens: int = field(default=1024, metadata={
+        "help": "new tokens per forward: prefill chunks and verify rows together"})
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_batch_tokens < 1:

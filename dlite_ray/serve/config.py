@@ -2,48 +2,50 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dlite_ray.constants import DEFAULT_REPLY_CACHE_TOKENS, DEFAULT_TREE_TOKENS
+from dlite_ray.engine.engine_config import knob_fields
+
+
+def _knob(name: str, **bounds: Any) -> Any:
+    """The engine knob `name`, with EngineConfig's default and description (the one list) and the
+    bounds a deployment is held to."""
+    knob = knob_fields()[name]
+    return Field(knob.default, description=knob.metadata["help"], **bounds)
 
 
 class EngineArgs(BaseModel):
+    """The engine each TargetWorker runs: every EngineConfig knob (its scheduler's too, flat;
+    tests/serve/test_config.py fails when one is missing here), then what only Serve places."""
+
     model_config = ConfigDict(extra="forbid")
 
-    target: str | None = Field(
-        None, description="HF directory or .gguf of the target; null = embedded SmolLM2-135M-Instruct")
-    draft: str = Field(
-        "default", description="draft checkpoint directory, 'default' (shipped) or 'none' (plain decoding)")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="weights and activations dtype; auto = bfloat16 on a GPU and on CPUs with AVX-512 BF16 "
-                            "or AMX, float32 on other CPUs")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="device of the target (and of the draft, on its own GPU)")
-    attention_backend: Literal["auto", "sdpa", "flash_attn", "triton"] = Field(
-        "auto", description="target attention kernel: auto = flash_attn where installed on CUDA, else triton on "
-                            "CUDA, else sdpa")
-    num_draft_tokens: int = Field(7, ge=0, le=32, description="K: most tokens drafted per round")
-    adaptive_draft_length: bool = Field(True, description="choose K per request and step from measured costs")
-    lookup_tokens: int | None = Field(
-        None, ge=0, le=15, description="most tokens copied from the context per round instead of drafted; "
-                                       "null = 15 with a draft, 0 without; 0 = off")
-    reply_cache_tokens: int = Field(
-        DEFAULT_REPLY_CACHE_TOKENS, ge=0, description="tokens of earlier replies kept per tenant and copied where "
-                                                      "a request's context has no match; 0 = off, the default "
-                                                      "(8192 holds ~70 replies)")
-    reply_corpus: bool = Field(
-        False, description="copy from the target's training replies shipped with the draft "
-                           "(reply_corpus.safetensors) where a request's context has no match; shared by every "
-                           "tenant, it holds no user data. Off by default: it gains on tool calls and code and "
-                           "loses at long context (docs/design.md)")
-    tree_tokens: int = Field(
-        DEFAULT_TREE_TOKENS, ge=0, le=32, description="most tokens of other branches (the draft's runners-up, "
-                                                      "other continuations from the context) verified next to a "
-                                                      "round's draft or copy, as a tree (only where lookup_tokens "
-                                                      "> 0, and while the policy measures they pay); 0 = off, the "
-                                                      "default: on CPUs verify rows cost more than they gain")
-    max_kv_tokens: int = Field(65536, ge=1024, description="paged KV pool size, in tokens")
+    target: str | None = _knob("target")
+    draft: str = _knob("draft")
+    # Each replica sees its GPU as cuda:0, so a deployment names the kind only.
+    device: Literal["cpu", "cuda"] = _knob("device")
+    dtype: Literal["auto", "float32", "bfloat16"] = _knob("dtype")
+    attention_backend: Literal["auto", "sdpa", "flash_attn", "triton"] = _knob("attention_backend")
+    num_draft_tokens: int = _knob("num_draft_tokens", ge=0, le=32)
+    verify_block_size: int | None = _knob("verify_block_size", ge=1)
+    adaptive_draft_length: bool = _knob("adaptive_draft_length")
+    lookup_tokens: int | None = _knob("lookup_tokens", ge=0, le=15)
+    reply_cache_tokens: int = _knob("reply_cache_tokens", ge=0)
+    reply_corpus: bool = _knob("reply_corpus")
+    tree_tokens: int = _knob("tree_tokens", ge=0, le=32)
+    max_kv_tokens: int = _knob("max_kv_tokens", ge=1024)
+    block_size: int = _knob("block_size", ge=1)
+    enable_prefix_cache: bool = _knob("enable_prefix_cache")
+    boundary_capacity: int = _knob("boundary_capacity", ge=0)
+    tap_layers: tuple[int, ...] | None = _knob("tap_layers")
+    normed_last_tap: bool | None = _knob("normed_last_tap")
+    cuda_graphs: bool = _knob("cuda_graphs")
+    max_num_seqs: int = _knob("max_num_seqs", ge=1)
+    max_batch_tokens: int = _knob("max_batch_tokens", ge=1)
+
+    # Serve only: where the draft runs and how the replica's threads are set.
     disaggregated_draft: bool = Field(
         True, description="run the draft in its own actor (bundle 1) over torch.distributed")
     draft_timeout_s: float = Field(

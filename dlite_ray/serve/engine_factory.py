@@ -6,7 +6,7 @@ from pathlib import Path
 
 from dlite_ray.engine.draft_transport import DraftInfo
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.engine_config import EngineConfig
+from dlite_ray.engine.engine_config import EngineConfig, config_from_knobs, knob_fields
 from dlite_ray.runtime.target_model import TargetModel
 from dlite_ray.serve.config import EngineArgs
 from dlite_ray.serve.cpu_threads import use_cpu_threads
@@ -14,13 +14,8 @@ from dlite_ray.serve.draft_link import DraftLink
 
 
 def engine_config(args: EngineArgs) -> EngineConfig:
-    """The engine knobs of a replica's Serve config."""
-    return EngineConfig(target=args.target or None, draft=args.draft, device=args.device, dtype=args.dtype,
-                        attention_backend=args.attention_backend, num_draft_tokens=args.num_draft_tokens,
-                        adaptive_draft_length=args.adaptive_draft_length, lookup_tokens=args.lookup_tokens,
-                        reply_cache_tokens=args.reply_cache_tokens, reply_corpus=args.reply_corpus,
-                        tree_tokens=args.tree_tokens,
-                        max_kv_tokens=args.max_kv_tokens)
+    """The engine knobs of a replica's Serve config (EngineArgs offers every one)."""
+    return config_from_knobs({name: getattr(args, name) for name in knob_fields()})
 
 
 def engine_from_args(args: EngineArgs) -> DLiteEngine:
