@@ -16,6 +16,7 @@ import torch
 from dlite_ray.runtime.window_batch import WindowPlan
 
 if TYPE_CHECKING:
+    from dlite_ray.runtime.attention.device_rows import DeviceRows
     from dlite_ray.runtime.attention.flash import FlashPlan
 
 
@@ -64,6 +65,7 @@ class AttentionMetadata:
     block_size: int
     window_plan: WindowPlan | None = None  # accelerators' decode/verify calls (window_batch.py), built once
     flash_plan: FlashPlan | None = None  # flash-attn's tensors for the step, built once
+    device_rows: DeviceRows | None = None  # a CUDA graph's rows, from its static tensors (spans then empty)
 
     @property
     def num_tokens(self) -> int:

@@ -1,5 +1,6 @@
 """The triton backend (CUDA; on CPU only under TRITON_INTERPRET=1, for tests): decode and
 verify rows through the paged Triton kernel (paged_triton.py), prefill chunks through SDPA.
+Graph-safe: its decode and verify steps can be captured as CUDA graphs (graph_metadata).
 
 Triton is an optional dependency (extra `triton`): imported when the backend is built.
 """
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from dlite_ray.runtime.attention.flash import plan_flash
+from dlite_ray.runtime.attention.device_rows import DeviceRows
+from dlite_ray.runtime.attention.flash import FlashPlan, plan_flash
 from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS, AttentionMetadata
 from dlite_ray.runtime.attention.paged_triton import PAGED_CHUNK, PAGED_TILE, paged_attention
 from dlite_ray.runtime.attention.sdpa import attend_prefill_span
@@ -26,10 +28,15 @@ class TritonPagedBackend:
     over their keys, gathered once per layer where their blocks are not consecutive
     (`sdpa.attend_prefill_span`): a kernel per row would read a long prompt's keys once per
     prompt token.
+
+    Under a CUDA graph (`graph_metadata`) the rows' tensors are derived on the device from
+    the graph runner's static buffers instead (`DeviceRows`), and the grid is fixed by the
+    block table's width rather than by the step's longest row.
     """
 
     name = "triton"
     block_major = True
+    graph_safe = True  # engine/graph_runner.py's GraphSafeBackend
 
     def __init__(self, chunk: int = PAGED_CHUNK, tile: int = PAGED_TILE) -> None:
         """chunk: keys per stage-1 program (a multiple of tile, a power of two >= 16)."""
@@ -40,9 +47,7 @@ class TritonPagedBackend:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; cache layers: [blocks, block_size, Hkv, Dh]
         cache.write(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = cache.k_layers[layer], cache.v_layers[layer]
-        if meta.flash_plan is None:
-            meta.flash_plan = plan_flash(meta, q.device)
-        plan = meta.flash_plan
+        plan = self._plan(meta, layer, q.device)
         out = torch.empty_like(q)
         if plan.row_tokens is not None:
             paged_attention(q, k_cache, v_cache, plan.row_tokens, plan.row_seqlens, plan.row_tables,
@@ -53,3 +58,20 @@ class TritonPagedBackend:
                 if span.q_len > MAX_POSITIONED_TOKENS:
                     out[span.q_start:span.q_start + span.q_len] = attend_prefill_span(q, k_heads, v_heads, span)
         return out
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       query_len: int, block_size: int) -> AttentionMetadata:
+        """B sequences of `query_len` new tokens each, read from these tensors alone (refilled
+        in place between forwards): slot_mapping [B * q], block_tables [B, M] and
+        context_lens [B] (int64, each at least query_len: a row of no keys would divide by
+        zero in stage 2; the graph runner's padding rows hold query_len)."""
+        rows = DeviceRows(block_tables, context_lens, query_len, block_size)
+        return AttentionMetadata(slot_mapping, [], [], block_size, device_rows=rows)
+
+    @staticmethod
+    def _plan(meta: AttentionMetadata, layer: int, device: torch.device) -> FlashPlan:
+        if meta.device_rows is not None:
+            return meta.device_rows.plan(layer)
+        if meta.flash_plan is None:  # built on the host once per forward, by its first layer
+            meta.flash_plan = plan_flash(meta, device)
+        return meta.flash_plan
