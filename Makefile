@@ -33,6 +33,7 @@ SEED ?= $(shell $(PY) -c 'import random; print(random.randrange(1 << 32))')
 
 test: setup
 	$(BIN)/ruff check dlite_ray tests
+	$(BIN)/mypy dlite_ray
 	@echo "test order: --randomly-seed=$(SEED)"
 	$(BIN)/python -m pytest -q -x --durations=15 -p randomly --randomly-seed=$(SEED)
 
