@@ -199,3 +199,31 @@ def test_engine_greedy_speculation_equals_plain_decoding_on_the_triton_backend(t
     out = make_engine(target, oracle, attention_backend="triton").generate(prompts, max_new_tokens=new)
     assert [r.token_ids for r in out] == reference
     assert max(a for r in out for a in r.stats.accept_lengths) > 1  # drafts were accepted: verify spans ran
+
+
+def test_graph_metadata_reads_the_static_tensors_refilled_between_forwards():
+    """A CUDA graph replays its forward over static tensors rewritten in place before each
+    replay: metadata made once over them gives each later step that step's bits (the rows'
+    lengths and tables derived again per forward, not kept from the first)."""
+    lengths = [150, 40, 70]
+    seqs = Sequences(lengths, seed=11)
+    tables = _scattered_tables(lengths, 63, seed=12)
+    spare, width, q = 63, 12, 3  # a block no sequence owns; 12 blocks hold 192 positions
+    cfg = SimpleNamespace(num_kv_heads=HKV, head_dim=DH, num_layers=1)
+    cache = PagedKVCache(cfg, 64, BLOCK, torch.float32, CPU, block_major=True)
+    for s, table in enumerate(tables):
+        cache.write(0, _slots(table, 0, lengths[s]), seqs.k[s], seqs.v[s])
+    slots = torch.zeros(2 * q, dtype=torch.long)
+    static_tables = torch.zeros(2, width, dtype=torch.long)
+    context_lens = torch.zeros(2, dtype=torch.long)
+    backend = _backend()
+    meta = backend.graph_metadata(slots, static_tables, context_lens, q, BLOCK)
+    for rows in ([(0, 100, q), (1, 30, q)], [(2, 60, q), (0, 140, q)]):  # refilled in place, as before a replay
+        slots.copy_(torch.cat([_slots(tables[s], f, f + n) for s, f, n in rows]))
+        static_tables.fill_(spare)
+        for i, (s, f, n) in enumerate(rows):
+            static_tables[i, :len(tables[s])] = torch.tensor(tables[s])
+            context_lens[i] = f + n
+        q_rows, k, v = (torch.cat([t[s][f:f + n] for s, f, n in rows]) for t in (seqs.q, seqs.k, seqs.v))
+        got = backend.attend(cache, 0, meta, q_rows, k, v)
+        assert torch.equal(got, seqs.step(rows, [tables[s] for s, _, _ in rows]))
