@@ -125,7 +125,9 @@ class BlockManager:
         """Longest chain from `seed` (`prefix_seed`) of cached full blocks starting `tokens`,
         covering at most `max_tokens`; the blocks are referenced for the caller. Returns
         (blocks, hashes)."""
-        blocks, hashes, parent = [], [], seed
+        blocks: list[int] = []
+        hashes: list[int] = []
+        parent = seed
         if not self.enable_prefix_cache:
             return blocks, hashes
         bs = self.block_size
@@ -199,7 +201,8 @@ class BlockManager:
         return start + length // 2
 
     def _largest_free_run(self) -> tuple[int, int]:
-        best, run_start, previous = (0, 0), None, None
+        best, run_start = (0, 0), 0  # run_start is set at the first block
+        previous: int | None = None
         for block in sorted(self._free):
             if previous is None or block != previous + 1:
                 run_start = block

@@ -65,6 +65,8 @@ class InProcessDraftTransport:
         self.info = DraftInfo.of(fingerprint, draft.cfg)
 
     def propose(self, request: DraftRequest) -> DraftProposal:
+        if request.features is None:  # the engine sends none only to drafts that read no target layers
+            raise ValueError("a DLite draft reads target features; the request has none")
         return self.draft.propose(request.features, request.token_groups, request.num_tokens,
                                   request.sampling, request.draft_greedy, request.all_greedy)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from dlite_ray.constants import DEFAULT_REPLY_CACHE_NAMESPACES
 from dlite_ray.engine.block_manager import BlockManager, OutOfBlocks
@@ -203,14 +204,15 @@ class DLiteEngine:
         """
         if json_schema is not None and grammar is not None:
             raise InvalidRequest("give json_schema or grammar, not both")
-        batch = prompts if is_batch(prompts) else [prompts]
+        batch = prompts if is_batch(prompts) else [cast(Prompt, prompts)]  # not a batch: one prompt
         encoded = [self.encode(p) for p in batch]  # validate everything before queueing anything
         grammar = grammar if json_schema is None else grammar_for_schema(json_schema)
         seqs = []
         for i, ids in enumerate(encoded):
             params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                     seed=None if seed is None else seed + i, verify_mode=verify_mode,
-                                    stop_token_ids=tuple(stop_token_ids), stop=stop, ignore_eos=ignore_eos,
+                                    stop_token_ids=tuple(stop_token_ids),
+                                    stop=(stop,) if isinstance(stop, str) else stop, ignore_eos=ignore_eos,
                                     trace_top_k=trace_top_k, logprobs=logprobs, grammar=grammar)
             seqs.append(self.add_request(ids, params))
         index = {s: i for i, s in enumerate(seqs)}

@@ -9,6 +9,7 @@ tests, GPU checks) use `forward` / `commit` / `release`, which keep a pool of th
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,7 @@ class ModelRunner:
         self._own_blocks: BlockManager | None = None  # only for drivers without a scheduler
         self.graphs = GraphRunner(self, graphs, scratch_block=num_blocks) if graphs is not None else None
 
-    def run(self, rows: list[RowInput], copies: list[tuple[int, int]] = ()) -> list[RowOutput]:
+    def run(self, rows: list[RowInput], copies: Iterable[tuple[int, int]] = ()) -> list[RowOutput]:
         """One ragged forward. Each row's block table already holds its new positions;
         `copies` (src, dst) are applied first (blocks copied before a shared one is written)."""
         for src, dst in copies:
@@ -114,7 +115,9 @@ class ModelRunner:
             self.cache.move_slots(src, dst)
 
     def _build_batch(self, rows: list[RowInput]) -> ForwardBatch:
-        ids, positions, wanted = [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        wanted: list[int] = []
         q_lens, ctx_lens = [], []
         if any(r.parents is not None for r in rows) and not self.verifies_trees:
             raise ValueError(f"the {self.backend.name} backend does not verify trees")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard, cast
+
 from dlite_ray.engine.sequence import InvalidRequest
 
 Messages = list[dict[str, str]]
@@ -21,7 +23,7 @@ class PromptEncoder:
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
             ids = list(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
-            ids = self._chat_ids(prompt)
+            ids = self._chat_ids(cast(Messages, prompt))  # dicts; _chat_ids checks their fields
         else:
             raise InvalidRequest("a prompt must be a non-empty string, token-id list or list of chat messages")
         if not ids:
@@ -40,7 +42,7 @@ class PromptEncoder:
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def is_batch(prompts) -> bool:
+def is_batch(prompts: Prompt | list[Prompt]) -> TypeGuard[list[Prompt]]:
     """Whether `prompts` is several prompts (strings, message lists or id lists) rather than one."""
     if isinstance(prompts, str) or not isinstance(prompts, list) or not prompts:
         return False

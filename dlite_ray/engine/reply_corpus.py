@@ -116,7 +116,7 @@ def _index(tokens: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64)
     ends = np.arange(n - 1, length - 1)  # an n-gram ends at e; the token after it is e + 1
     values = tokens.astype(np.uint64)  # separators wrap to 2^64 - 1; n-grams holding one are dropped below
-    keys = np.zeros(len(ends), dtype=np.uint64)
+    keys: np.ndarray = np.zeros(len(ends), dtype=np.uint64)
     with np.errstate(over="ignore"):
         for i in range(n):
             keys = keys * np.uint64(_BASE) + values[i:i + len(ends)]

@@ -181,7 +181,7 @@ class SpecDecoder:
             rows = branch[:len(kept)]  # verify row m (a node of the branch) chose the m-th token kept
             if seq.trace is not None:
                 seq.trace.add(out.logits[rows], out.taps[rows] if out.taps is not None else None)
-            if seq.logprobs is not None:
+            if seq.logprobs is not None and seq.params.logprobs is not None:  # set together (Sequence)
                 seq.logprobs += token_logprobs(out.logits[rows], kept, seq.params.logprobs)
             if not tree.is_chain:
                 self.runner.keep_branch(seq, branch)
@@ -244,15 +244,16 @@ class SpecDecoder:
         rows = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         runners_up: list[list[int]] = [[] for _ in seqs]
-        if not rows:
+        draft = self.draft
+        if not rows or draft is None:  # rows draft only with a draft (_max_draft)
             return drafts, runners_up, None, 0.0, False
-        g = self.draft.info.anchor_group_size
+        g = draft.info.anchor_group_size
         sub = [seqs[i] for i in rows]
         device = self.runner.device
         greedy = [s.params.mode != REJECTION for s in sub]
         request = DraftRequest(
             token_groups=torch.tensor([_token_group(s.token_ids, g) for s in sub], dtype=torch.long, device=device),
-            features=torch.stack([s.pivot_features for s in sub]) if sub[0].pivot_features is not None else None,
+            features=_stacked_features(sub),
             num_tokens=max(ks[i] for i in rows),
             sampling=_row_sampling(sub, device),
             draft_greedy=torch.tensor(greedy, device=device),
@@ -261,7 +262,7 @@ class SpecDecoder:
         failure = None
         with _timer(device) as t:
             try:
-                proposal = self.draft.propose(request)
+                proposal = draft.propose(request)
                 tokens, others = _proposed_lists(proposal)
             except DraftUnavailable as exc:
                 failure = exc
@@ -364,6 +365,17 @@ def _verify_mode(seq: Sequence, copied: bool) -> str:
 def _token_group(ids: list[int], g: int) -> list[int]:
     """The G tokens ending at the anchor (left-padded with the first token if shorter)."""
     return ([ids[0]] * g + ids[-g:])[-g:]
+
+
+def _stacked_features(seqs: list[Sequence]) -> torch.Tensor | None:
+    """The rows' pivot features [N, S, D]; None where the first row holds none (a draft that
+    reads no target layers; one that reads them drafts only for rows holding them, _max_draft)."""
+    if seqs[0].pivot_features is None:
+        return None
+    features = [s.pivot_features for s in seqs if s.pivot_features is not None]
+    if len(features) < len(seqs):
+        raise ValueError("some rows of the draft call hold no pivot features")
+    return torch.stack(features)
 
 
 def _row_sampling(seqs: list[Sequence], device) -> RowSampling:

@@ -116,13 +116,13 @@ class StepRates:
             return min(unmeasured, key=lambda arm: self._get(b, arm).samples)
         best_arm = self._best(b)
         best = self._get(b, best_arm)
-        overdue = {}  # per slower arm: steps past its probe's due
+        overdue: dict[Arm, int] = {}  # per slower arm: steps past its probe's due
         for arm in arms:
             rate = self._get(b, arm)
             if arm != best_arm:
                 interval = self.probe_interval(best.value, rate.value, len(arms) - 1)
                 overdue[arm] = self._steps[b] - rate.last_step - interval
-        arm = max(overdue, key=overdue.get)
+        arm = max(overdue, key=overdue.__getitem__)
         return arm if overdue[arm] >= 0 else best_arm
 
     def probe_interval(self, best_rate: float, other_rate: float, others: int = 1) -> int:

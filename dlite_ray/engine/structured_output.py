@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import keyword
 import logging
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
@@ -37,8 +38,11 @@ import torch
 
 from dlite_ray.engine.sequence import InvalidRequest
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of its stubs only
+
 ANY_JSON_OBJECT = '{"type": "object"}'
-_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+_JSON_OPTIONS: JsonCompileOptions = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 _BITS = torch.arange(32, dtype=torch.int32)
 # default limits; errors name the limit met, without the parser's state or the grammar
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
