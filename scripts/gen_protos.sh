@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-dlite_ray/serve/proto}
 mkdir -p "$out"
-"${PYTHON:-.venv/bin/python}" -m grpc_tools.protoc -Iprotos/dlite/v1 --python_out="$out" --grpc_python_out="$out" \
+"${PYTHON:-.venv/bin/python}" -m grpc_tools.protoc -Iprotos/dlite/v1 --python_out="$out" --pyi_out="$out" --grpc_python_out="$out" \
   protos/dlite/v1/dlite.proto
 sed -i 's/^import dlite_pb2 as/from . import dlite_pb2 as/' "$out/dlite_pb2_grpc.py"
 # messages must pickle under their real module path (Ray ships requests between processes)

@@ -12,6 +12,7 @@ from dlite_ray.serve.router import ConversationRouterDeployment
 from dlite_ray.serve.target_worker import TargetWorkerDeployment
 
 ROUTER_MAX_ONGOING = 1000
+ROUTER_CLASS = "dlite_ray.serve.affinity_router:ConversationAffinityRouter"
 
 
 def build_app(args: AppArgs | dict) -> Application:
@@ -27,9 +28,10 @@ def build_app(args: AppArgs | dict) -> Application:
         bundle[f"accelerator_type:{args.accelerator_type}"] = 0.001
     worker_options: dict = {"max_ongoing_requests": args.max_ongoing_requests,
                             "ray_actor_options": {"num_cpus": args.replica_num_cpus},
+                            # ray types RequestRouterConfig's __init__ as `**kwargs: dict[str, Any]`
                             "request_router_config": RequestRouterConfig(
-                                request_router_class="dlite_ray.serve.affinity_router:ConversationAffinityRouter",
-                                request_routing_stats_period_s=args.routing_stats_period_s)}
+                                request_router_class=ROUTER_CLASS,  # type: ignore[arg-type]
+                                request_routing_stats_period_s=args.routing_stats_period_s)}  # type: ignore[arg-type]
     if disaggregated:
         # bundle 0: the target (the replica itself, which must ask for bundle 0's GPU to be
         # given one); bundle 1: its DraftWorker (draft_link.draft_actor_options)

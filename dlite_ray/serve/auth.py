@@ -57,9 +57,9 @@ class KeyRing:
         scheme, _, given = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not given.strip():  # auth schemes are case-insensitive (RFC 9110)
             raise Unauthenticated("missing 'authorization: Bearer <key>'")
-        given = given.strip().encode("utf-8", "surrogateescape")  # bytes: compare_digest refuses non-ASCII str
+        given_bytes = given.strip().encode("utf-8", "surrogateescape")  # compare_digest refuses non-ASCII str
         for key, tenant in self._keys.items():
-            if hmac.compare_digest(key.encode("utf-8"), given):
+            if hmac.compare_digest(key.encode("utf-8"), given_bytes):
                 return tenant
         raise Unauthenticated("unknown API key")
 

@@ -66,7 +66,8 @@ class ConversationTurns:
                                                                         RENEWED_CLAIM_S))
         try:
             async for chunk in held_for_tool_calls(chunks, tools):
-                text += chunk.raw_text  # the history keeps calls as the model wrote them
+                # the history keeps calls as the model wrote them (raw_text: held_for_tool_calls sets it)
+                text += chunk.raw_text if chunk.raw_text is not None else chunk.text
                 last = chunk if chunk.finished else last
                 yield chunk
         except OutputFailed as exc:

@@ -11,6 +11,7 @@ link reconnects, to a fresh actor when the old one does not answer.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import ray
 import torch
@@ -46,12 +47,13 @@ class ActorLauncher:
     def __init__(self, spec: tuple, gpu_share: float = 1):
         self._spec = spec  # DraftWorker's constructor arguments
         self._gpu_share = gpu_share
-        self._actor = None
+        self._actor: Any = None  # the DraftWorker's actor handle (ray's ActorHandle is untyped)
 
     def address(self, authkey: bytes) -> tuple[str, int]:
         if self._actor is None:
             options = draft_actor_options(self._spec[4], self._gpu_share)
-            self._actor = DraftWorker.options(**options).remote(*self._spec)
+            # @ray.remote makes DraftWorker an ActorClass; ray's stubs keep the class's own type
+            self._actor = DraftWorker.options(**options).remote(*self._spec)  # type: ignore[attr-defined]
             ray.get(self._actor.ping.remote(), timeout=ACTOR_START_TIMEOUT_S)
         return tuple(ray.get(self._actor.listen.remote(authkey, JOIN_TIMEOUT_S), timeout=60))
 

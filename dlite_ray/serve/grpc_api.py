@@ -11,6 +11,7 @@ from dataclasses import asdict
 from dlite_ray.serve.errors import as_serve_error, error_message
 from dlite_ray.serve.grpc_requests import parse_grpc_append, parse_grpc_create, parse_grpc_generate
 from dlite_ray.serve.held_reply import held_for_tool_calls
+from dlite_ray.serve.ingress_state import IngressState
 from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.proto_convert import proto_chunk, proto_conversation
 from dlite_ray.serve.request_limits import check_grpc_request, idempotency_key
@@ -18,7 +19,7 @@ from dlite_ray.serve.request_limits import conversation_id as valid_conversation
 from dlite_ray.serve.worker_probe import health
 
 
-class GrpcMethods:
+class GrpcMethods(IngressState):
     """gRPC methods of DLiteIngress (a mixin: method names = RPC names)."""
 
     async def Generate(self, request: dlite_pb2.GenerateRequest, grpc_context=None):

@@ -22,7 +22,8 @@ class HeldReply:
         self.tools = tools
         self.holding = bool(tools)
         self._call_started = False  # once it starts like a call, it is held to the end: no rescans
-        self._text, self._entries = "", []
+        self._text = ""
+        self._entries: list[dict] = []
 
     def push(self, text: str, entries: list) -> tuple[str, list]:
         """What to send now of a chunk's text and logprob entries."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import cast
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -49,7 +50,7 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
 
     async def _start(self, prompt: Prompt, params: SamplingParams, route_to: str | None = None,
                      conversation: str | None = None,
-                     tenant: str | None = None) -> tuple[AsyncIterator[GenerateChunk], Callable[[], None]]:
+                     tenant: str | None = None) -> tuple[AsyncGenerator[GenerateChunk, None], Callable[[], None]]:
         """Send one request to a TargetWorker and wait for its first chunk: the replica that
         runs it tokenizes and validates it, and a request it refuses (InvalidRequest: over
         the context, a grammar it cannot use) raises here, before a caller commits to a
@@ -62,9 +63,9 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
         side, the KV budget and grammar on its step thread), so only its first output says
         that it was accepted; a stream's client sees nothing sooner either way."""
         started = time.perf_counter()
-        stream = _WorkerStream(self.worker.options(stream=True).generate.remote(
+        stream = _WorkerStream(cast(DeploymentResponseGenerator, self.worker.options(stream=True).generate.remote(
             prompt, params, route_to=route_to, conversation=conversation, prefix_key=prefix_key(prompt),
-            tenant=tenant))
+            tenant=tenant)))  # stream=True: a generator
         try:
             first = await anext(stream.chunks, None)
         except BaseException:
@@ -75,9 +76,9 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
         return self._chunks(first, stream, started), stream.close
 
     async def _chunks(self, first: GenerateChunk, stream: _WorkerStream,
-                      started: float) -> AsyncIterator[GenerateChunk]:
+                      started: float) -> AsyncGenerator[GenerateChunk, None]:
         try:
-            chunk = first
+            chunk: GenerateChunk | None = first
             while chunk is not None:
                 if chunk.finished:
                     stream.finished = True
@@ -114,4 +115,4 @@ class _WorkerStream:
             self.chunks.cancel()
 
 
-DLiteIngressDeployment = serve.deployment(serve.ingress(app)(DLiteIngress), name="DLiteIngress")
+DLiteIngressDeployment = serve.deployment(name="DLiteIngress")(serve.ingress(app)(DLiteIngress))

@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body
 from dlite_ray.serve.held_reply import held_for_tool_calls
+from dlite_ray.serve.ingress_state import IngressState
 from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.openai_requests import (
     decode_json_body,
@@ -39,7 +40,7 @@ app = FastAPI(title="dlite-ray", description="DLite speculative decoding, OpenAI
               docs_url=None, redoc_url=None, openapi_url=None)
 
 
-class OpenAIRoutes:
+class OpenAIRoutes(IngressState):
     """HTTP endpoints of DLiteIngress (a mixin: Serve needs the routes on the deployment class)."""
 
     @app.get("/healthz")
@@ -112,7 +113,7 @@ class OpenAIRoutes:
                 "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
 
     def _streaming_response(self, rid: str, parsed: ParsedRequest, chat: bool, held: ExitStack,
-                            chunks: AsyncIterator[GenerateChunk]) -> StreamingResponse:
+                            chunks: AsyncGenerator[GenerateChunk, None]) -> StreamingResponse:
         body = self._sse(rid, parsed, chat, held, chunks)
         # A client gone before the server starts the stream leaves the generator unstarted, so
         # its finally never runs; releasing when the generator is collected covers that case
@@ -121,7 +122,7 @@ class OpenAIRoutes:
         return StreamingResponse(body, media_type="text/event-stream")
 
     async def _sse(self, rid: str, parsed: ParsedRequest, chat: bool, held: ExitStack,
-                   chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[str]:
+                   chunks: AsyncGenerator[GenerateChunk, None]) -> AsyncIterator[str]:
         """The SSE body of a reply already accepted (`chunks`); it owns what the request
         holds (`held`: the tenant slot, the worker stream), released however the stream
         ends (a client disconnect cancels or closes this generator, which runs the finally)."""
@@ -241,12 +242,13 @@ def _usage(stats: RequestStats | None, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict],
+def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict] | None,
                      text_offset: int = 0) -> tuple[dict | None, int]:
     """A choice's `logprobs` (None unless the request asked for them), and the completion
     text offset after them."""
     if parsed.params.logprobs is None:
         return None, text_offset
+    entries = entries or []  # a chunk without entries (held_for_tool_calls gives every chunk a list)
     return ({"content": entries}, text_offset) if chat else completion_logprobs(entries, text_offset)
 
 

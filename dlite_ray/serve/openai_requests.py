@@ -240,9 +240,10 @@ def parse_messages(raw: Any, limits: LimitArgs) -> list[dict[str, str]]:
 def _text_parts(parts: list, i: int) -> str:
     """OpenAI content parts: the text ones, concatenated (images and audio are not served)."""
     texts = [p.get("text") for p in parts if isinstance(p, dict) and p.get("type") == "text"]
-    if not all(isinstance(t, str) for t in texts):
+    strings = [t for t in texts if isinstance(t, str)]
+    if len(strings) < len(texts):
         raise BadRequest(f"messages[{i}].content text parts need a string 'text'")
-    return "".join(texts)
+    return "".join(strings)
 
 
 def parse_create_conversation(body: Any, limits: LimitArgs) -> list[dict[str, str]]:

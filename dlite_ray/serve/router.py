@@ -43,7 +43,8 @@ class ConversationRouter:
                                                                          self.args.max_stored_bytes_per_tenant))
         self._live_actors = live_actors
         self._live: tuple[float, set[str] | None] = (-math.inf, None)
-        self._expiry = None
+        self._expiry: asyncio.Task[None] | None = None
+        self._app: str | None
         try:
             self._app = serve.get_replica_context().app_name
         except Exception:  # noqa: BLE001 - not inside a Serve replica (tests)
@@ -236,4 +237,4 @@ def _public(conv: Conversation, turn: bool = False) -> dict:
     return out
 
 
-ConversationRouterDeployment = serve.deployment(ConversationRouter, name="ConversationRouter", num_replicas=1)
+ConversationRouterDeployment = serve.deployment(name="ConversationRouter", num_replicas=1)(ConversationRouter)

@@ -114,8 +114,9 @@ class TargetWorker:
 
     async def kill_draft(self) -> bool:
         """Fault drill: kill this replica's draft actor (the replica keeps serving)."""
-        if hasattr(self.engine.draft, "kill_actor"):
-            self.engine.draft.kill_actor()
+        draft = self.engine.draft
+        if draft is not None and hasattr(draft, "kill_actor"):
+            draft.kill_actor()
             return True
         return False
 
@@ -132,4 +133,4 @@ class TargetWorker:
             raise RuntimeError(f"require_draft: {reason}")
 
 
-TargetWorkerDeployment = serve.deployment(TargetWorker, name="TargetWorker")
+TargetWorkerDeployment = serve.deployment(name="TargetWorker")(TargetWorker)

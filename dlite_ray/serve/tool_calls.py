@@ -58,7 +58,8 @@ def parse_tool_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | Non
     nodes = tree.elts if isinstance(tree, ast.List) else [tree]
     by_name = {t.name: t for t in tools}
     calls = [_call(node, by_name) for node in nodes]
-    return calls if calls and all(c is not None for c in calls) else None
+    parsed = [c for c in calls if c is not None]
+    return parsed if parsed and len(parsed) == len(calls) else None
 
 
 def reply_calls(text: str, tools: tuple[Tool, ...]) -> list[ToolCall] | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from dlite_ray.serve.errors import ConversationBusy, ConversationNotFound
 from dlite_ray.serve.worker_messages import GenerateChunk
@@ -54,7 +54,7 @@ def holder_gone(holder: str | None, live: set[str] | None) -> bool:
 
 
 async def renewed(chunks: AsyncIterator[GenerateChunk], renew: Callable[[], Awaitable[object]],
-                  claim_s: float = RENEWED_CLAIM_S) -> AsyncIterator[GenerateChunk]:
+                  claim_s: float = RENEWED_CLAIM_S) -> AsyncGenerator[GenerateChunk, None]:
     """`chunks`, with the turn's claim renewed every `claim_s / 3` seconds while they stream
     (also while one chunk is slow: a long prefill). A claim found lost (another turn took
     over after its deadline) ends the stream with ConversationBusy; a renewal that fails

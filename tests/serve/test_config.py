@@ -38,7 +38,7 @@ def test_grpc_stubs_match_the_proto(tmp_path):
 
     env = {"PYTHON": sys.executable, "PATH": "/usr/bin:/bin"}
     subprocess.run([str(ROOT / "scripts" / "gen_protos.sh"), str(tmp_path)], check=True, env=env, cwd=ROOT)
-    for f in ("dlite_pb2.py", "dlite_pb2_grpc.py"):
+    for f in ("dlite_pb2.py", "dlite_pb2.pyi", "dlite_pb2_grpc.py"):
         assert (tmp_path / f).read_text() == (ROOT / "dlite_ray" / "serve" / "proto" / f).read_text()
 
 
