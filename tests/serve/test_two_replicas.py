@@ -19,23 +19,38 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def two_replicas(serve_app, tiny_serving_model, tmp_path_factory):
+def two_replicas_args(serve_app, tiny_serving_model, tmp_path_factory):
     from ray import serve
 
-    from dlite_ray.serve.app import build_app
     from dlite_ray.serve.config import AppArgs, EngineArgs
 
     target_dir, draft_dir = tiny_serving_model
     root = tmp_path_factory.mktemp("two-replicas")
     (root / "keys").write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
-    args = AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=False,
-                                     dtype="float32", max_kv_tokens=8192),
-                   num_replicas=2, routing_stats_period_s=0.5, api_keys_file=str(root / "keys"),
-                   conversations={"store_path": str(root / "conv.sqlite3")})
-    serve.run(build_app(args), name=APP, route_prefix=PREFIX)
-    _wait_for_route()
-    yield serve.get_deployment_handle("TargetWorker", app_name=APP)
+    yield AppArgs(engine=EngineArgs(target=str(target_dir), draft=str(draft_dir), disaggregated_draft=False,
+                                    dtype="float32", max_kv_tokens=8192),
+                  num_replicas=2, routing_stats_period_s=0.5, api_keys_file=str(root / "keys"),
+                  conversations={"store_path": str(root / "conv.sqlite3")})
     serve.delete(APP)
+
+
+@pytest.fixture
+def two_replicas(two_replicas_args):
+    """The application with both replicas running, whatever a test before this one (in any
+    order) killed or deleted: each test starts from the same state."""
+    from ray import serve
+
+    from dlite_ray.serve.app import build_app
+
+    deadline = time.time() + 120
+    while (app := serve.status().applications.get(APP)) is not None and app.status == "DELETING":
+        assert time.time() < deadline, "the application was never deleted"
+        time.sleep(0.5)
+    if app is None:  # the drain test deletes it
+        serve.run(build_app(two_replicas_args), name=APP, route_prefix=PREFIX)
+        _wait_for_route()
+    _replica_ids()
+    return serve.get_deployment_handle("TargetWorker", app_name=APP)
 
 
 def _wait_for_route(timeout: float = 60) -> None:
@@ -179,7 +194,7 @@ def test_a_replica_killed_mid_stream_gives_a_clean_error_and_the_next_turn_recov
     from dlite_ray.serve.proto import dlite_pb2, dlite_pb2_grpc
     from tests.serve.conftest import GRPC_PORT
 
-    replicas = _replica_ids()
+    replicas = _replica_ids()  # both running: the fixture waited for them
     conv, history = _create("Write a long story about a lighthouse keeper.")
     metadata = (("application", APP), ("authorization", f"Bearer {KEYS['tenant-a']}"))
     with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
@@ -217,13 +232,12 @@ def _replica_ids(timeout: float = 180) -> list[str]:
 
 
 def test_shutdown_drains_requests_in_flight(two_replicas, library):
-    """Last in this module: deleting the application lets running streams finish."""
+    """Deleting the application lets running streams finish (the next test deploys it again)."""
     import json
     import threading
 
     from ray import serve
 
-    _replica_ids()
     messages = [{"role": "user", "content": "Count slowly from one to fifty."}]
     body = {"messages": messages, "max_tokens": 200, "stream": True}
     with requests.post(f"http://127.0.0.1:{HTTP_PORT}{PREFIX}/v1/chat/completions", json=body, headers=AUTH_A,
