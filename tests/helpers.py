@@ -23,6 +23,24 @@ def forward_all(runner: ModelRunner, seq: Sequence, tokens: list[int]):
     return out
 
 
+def prefilled(runner: ModelRunner, n: int) -> list[Sequence]:
+    """n sequences of 5, 14, 23, ... tokens (some across block boundaries), prefilled."""
+    seqs = []
+    for i in range(n):
+        prompt = [(7 * i + 3 * j) % 120 + 3 for j in range(5 + 9 * i)]
+        seq = new_seq(prompt)
+        runner.forward([RowInput(seq, prompt)])
+        runner.commit(seq, len(prompt))
+        seqs.append(seq)
+    return seqs
+
+
+def step_rows(runner: ModelRunner, seqs: list[Sequence], q: int):
+    """One forward of q new tokens a sequence, logits and taps at each of them (not committed)."""
+    rows = [RowInput(s, [(11 * i + j) % 120 + 3 for j in range(q)], num_outputs=q) for i, s in enumerate(seqs)]
+    return runner.forward(rows)
+
+
 def hf_logits(directory, ids: list[int], dtype=torch.float32, hidden=False):
     from transformers import AutoModelForCausalLM
 

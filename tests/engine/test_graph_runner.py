@@ -12,6 +12,7 @@ from dlite_ray.engine.graph_runner import GraphConfig, bucket_for, graph_buckets
 from dlite_ray.engine.model_runner import ModelRunner, RowInput
 from dlite_ray.engine.sequence import SamplingParams, Sequence
 from dlite_ray.runtime.frozen_linear import EXACT_ROWS, FrozenLinear, cover_row_counts, probed_linear
+from tests.helpers import prefilled, step_rows
 
 TAPS = (0, 2)
 MAX_ROWS = 32
@@ -22,31 +23,14 @@ def _runner(target, graphs: GraphConfig | None) -> ModelRunner:
     return ModelRunner(target, TAPS, 4096, 16, "sdpa", graphs=graphs)
 
 
-def _prefilled(runner: ModelRunner, n: int) -> list[Sequence]:
-    """n sequences of different lengths (some across block boundaries), prefilled."""
-    seqs = []
-    for i in range(n):
-        prompt = [(7 * i + 3 * j) % 120 + 3 for j in range(5 + 9 * i)]
-        seq = Sequence(prompt, SamplingParams(max_new_tokens=8))
-        runner.forward([RowInput(seq, prompt)])
-        runner.commit(seq, len(prompt))
-        seqs.append(seq)
-    return seqs
-
-
-def _step(runner: ModelRunner, seqs: list[Sequence], q: int):
-    rows = [RowInput(s, [(11 * i + j) % 120 + 3 for j in range(q)], num_outputs=q) for i, s in enumerate(seqs)]
-    return runner.forward(rows)
-
-
 @pytest.mark.parametrize("q", [1, VERIFY], ids=["decode", "verify"])
 @pytest.mark.parametrize("n", [1, 3, 5, 9, 17], ids=lambda n: f"{n}rows")
 def test_a_padded_step_gives_the_real_rows_the_unpadded_bits(tiny_target, q, n):
     assert bucket_for(n, graph_buckets(MAX_ROWS)) > n or n == 1  # padding rows present (but for 1 row)
     plain = _runner(tiny_target, None)
     padded = _runner(tiny_target, GraphConfig(MAX_ROWS, (1, VERIFY), capture=False))
-    want = _step(plain, _prefilled(plain, n), q)
-    got = _step(padded, _prefilled(padded, n), q)
+    want = step_rows(plain, prefilled(plain, n), q)
+    got = step_rows(padded, prefilled(padded, n), q)
     assert padded.graphs.stats.padded_eager == 1  # the step went through the bucketing, not around it
     assert len(got) == n
     for w, g in zip(want, got):
@@ -60,7 +44,7 @@ def test_a_padded_step_gives_the_real_rows_the_unpadded_bits(tiny_target, q, n):
 
 def test_other_steps_stay_unpadded(tiny_target):
     runner = _runner(tiny_target, GraphConfig(MAX_ROWS, (1, VERIFY), capture=False))
-    seqs = _prefilled(runner, 3)
+    seqs = prefilled(runner, 3)
     runner.forward([RowInput(seqs[0], [5]), RowInput(seqs[1], [6, 7], num_outputs=2)])  # unequal rows
     runner.forward([RowInput(seqs[2], [5, 6, 7], num_outputs=3)])  # a length graphs are not made for
     runner.forward([RowInput(s, [5] * VERIFY, num_outputs=VERIFY) for s in seqs]

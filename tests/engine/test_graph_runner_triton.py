@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("triton", reason="the triton backend's tests need the triton package (extra 'triton')")
 
 from dlite_ray.engine.graph_runner import GraphConfig, bucket_for, graph_buckets  # noqa: E402
-from dlite_ray.engine.model_runner import ModelRunner, RowInput  # noqa: E402
-from dlite_ray.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from dlite_ray.engine.model_runner import ModelRunner  # noqa: E402
 from dlite_ray.runtime.attention.paged_triton import interpreting  # noqa: E402
 from dlite_ray.runtime.loading import load_target  # noqa: E402
 from tests.conftest import make_tiny_checkpoint  # noqa: E402
+from tests.helpers import prefilled, step_rows  # noqa: E402
 
 if not torch.cuda.is_available() and not interpreting():
     pytest.skip("without CUDA these tests run under TRITON_INTERPRET=1 (tests/conftest.py)", allow_module_level=True)
@@ -37,23 +37,6 @@ def _runner(target, graphs: GraphConfig | None) -> ModelRunner:
     return ModelRunner(target, TAPS, 1024, 16, "triton", graphs=graphs)
 
 
-def _prefilled(runner: ModelRunner) -> list[Sequence]:
-    """Sequences of 5, 14 and 23 tokens (the last across a block boundary), prefilled."""
-    seqs = []
-    for i in range(ROWS):
-        prompt = [(7 * i + 3 * j) % 120 + 3 for j in range(5 + 9 * i)]
-        seq = Sequence(prompt, SamplingParams(max_new_tokens=8))
-        runner.forward([RowInput(seq, prompt)])
-        runner.commit(seq, len(prompt))
-        seqs.append(seq)
-    return seqs
-
-
-def _step(runner: ModelRunner, seqs: list[Sequence], q: int):
-    rows = [RowInput(s, [(11 * i + j) % 120 + 3 for j in range(q)], num_outputs=q) for i, s in enumerate(seqs)]
-    return runner.forward(rows)
-
-
 @pytest.mark.parametrize("q", [1, VERIFY], ids=["decode", "verify"])
 def test_a_padded_step_on_graph_metadata_gives_the_unpadded_bits(target, q):
     assert bucket_for(ROWS, graph_buckets(MAX_ROWS)) > ROWS  # a padding row is present
@@ -69,8 +52,8 @@ def test_a_padded_step_on_graph_metadata_gives_the_unpadded_bits(target, q):
         return made[-1]
 
     backend.graph_metadata = counted  # the real method, counted
-    want = _step(plain, _prefilled(plain), q)
-    got = _step(padded, _prefilled(padded), q)
+    want = step_rows(plain, prefilled(plain, ROWS), q)
+    got = step_rows(padded, prefilled(padded, ROWS), q)
     assert padded.graphs.stats.padded_eager == 1
     assert len(made) == 1 and made[0].device_rows is not None  # the step planned its rows on the device
     assert made[0].device_rows.max_seqlen == padded.graphs.table_width * 16  # the graph's fixed grid bound
