@@ -35,15 +35,18 @@ def test_a_failed_draft_call_decodes_plainly_and_measures_nothing(tiny_target, t
     prompt = list(range(3, 12))
     plain = make_engine(tiny_target).generate([prompt], max_new_tokens=6, ignore_eos=True)
     failing = FailingDraft(tiny_draft, "failing")
-    engine = make_engine(tiny_target, failing, adaptive_draft_length=True)
-    measured = []
-    engine.policy.observe_step = lambda *args: measured.append(args)
-    out = engine.generate([prompt], max_new_tokens=6, ignore_eos=True)
+    out = make_engine(tiny_target, failing, adaptive_draft_length=True).generate([prompt], max_new_tokens=6,
+                                                                                 ignore_eos=True)
     assert failing.calls > 0 and out[0].token_ids == plain[0].token_ids
     assert out[0].stats.draft_time == 0.0  # no row drafted
     assert all(a == 1 for a in out[0].stats.accept_lengths)
-    # step by step: a step whose draft call failed is not measured as a plain step (it is told
-    # apart by the call itself, not by how long the step took)
+    # step by step, on an engine that has not yet learned the draft is down: a step whose draft
+    # call failed is not measured as a plain step (told apart by the call itself, not by how
+    # long the step took)
+    failing = FailingDraft(tiny_draft, "failing")
+    engine = make_engine(tiny_target, failing, adaptive_draft_length=True)
+    measured = []
+    engine.policy.observe_step = lambda *args: measured.append(args)
     seq = engine.add_request(prompt, SamplingParams(max_new_tokens=6))
     failed_steps = 0
     while not seq.is_finished:
