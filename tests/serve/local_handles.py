@@ -203,6 +203,13 @@ def sse_events(body: bytes) -> list:
     return out
 
 
+def http_scope(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    """The ASGI scope of one HTTP request from a loopback client."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+            "root_path": "", "headers": headers, "client": ("127.0.0.1", 50000), "server": ("testserver", 80)}
+
+
 class AsgiClient:
     """HTTP to the ingress's FastAPI app in-process. `serve.ingress(app)` gives each route's
     `self` a dependency that asks Serve for the replica's object; while a request of this
@@ -225,10 +232,7 @@ class AsgiClient:
         header_list.append((b"content-length", str(len(body)).encode()))
         if json_body is not None:
             header_list.append((b"content-type", b"application/json"))
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-                 "root_path": "", "headers": header_list, "client": ("127.0.0.1", 50000),
-                 "server": ("testserver", 80)}
+        scope = http_scope(method, path, header_list)
         # one message at a time: a stream the test does not read waits for it, as a server
         # writing to a client that does not read does (its slot stays held meanwhile)
         messages: asyncio.Queue = asyncio.Queue(maxsize=1)

@@ -10,7 +10,7 @@ import json
 
 from dlite_ray.serve.worker_messages import GenerateChunk
 from tests.serve import local_handles
-from tests.serve.local_handles import AsgiClient, LocalHandle, local_args
+from tests.serve.local_handles import AsgiClient, LocalHandle, http_scope, local_args
 
 KEYS = {"tenant-a": "key-a"}
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -40,11 +40,9 @@ def _send(client: AsgiClient, body: dict) -> asyncio.Task:
     """A POST to /v1/chat/completions on its own task (what Serve cancels when the client
     leaves); what the app sends is dropped."""
     raw = json.dumps(body).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
-             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 50000), "server": ("testserver", 80),
-             "headers": [(b"authorization", b"Bearer key-a"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(raw)).encode())]}
+    scope = http_scope("POST", "/v1/chat/completions", [
+        (b"authorization", b"Bearer key-a"), (b"content-type", b"application/json"),
+        (b"content-length", str(len(raw)).encode())])
     sent = False
 
     async def receive() -> dict:
