@@ -19,10 +19,21 @@ other arm's would; never rarer than MAX_EXPLORE_EVERY. (Probing an arm the rarer
 its step takes, at most every 256 steps, let a guard that had once measured speculation
 slower stay on plain decoding for hundreds of steps: a `make bench` run's structured replies
 fell from tau 3.4 to 1.3, and were back at 3.3 without it.)
+
+A bucket seen for the first time does not start over: while a batch ramps up or drains it
+crosses a bucket every few dozen steps, and measuring four arms three times each there cost
+a dozen steps per bucket, most of them on slower arms. Its arms start from a neighbouring bucket
+(half or twice its size) whose arms are all measured (the prior), scaled to this bucket by the arms measured in both
+(a batch twice as large delivers more tokens per second in every arm; the arms' order is what
+carries over), and give way to this bucket's own samples as those come in; an arm still
+leaning on its prior is probed as often as at a tie. In a simulated drain from 32 requests
+to 1, three steps a size, this lifted throughput from 0.93 to 0.94 of always choosing the
+best arm (tests/engine/test_step_rates.py).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from dataclasses import dataclass
 
@@ -89,13 +100,14 @@ class StepRates:
         rate.last_step = self._steps[b]
 
     def rate(self, batch: int, arm: Arm) -> float:
-        return self._get(batch_bucket(batch), arm).value
+        """Tokens per second of `arm` at this batch size: measured here, or from the prior."""
+        return self._estimate(batch_bucket(batch), arm) or 0.0
 
     def verdict(self, batch: int, model_says: bool) -> Arm:
         """The measured choice without probing (for steps that are not measured, e.g. with
         prefill chunks in them): the fastest arm once all are known, else the model's."""
         b = batch_bucket(batch)
-        if any(self._get(b, arm).samples < self.MIN_SAMPLES for arm in self._arms(b)):
+        if self._unknown(b):
             return None if model_says else 0
         return self._best(b)
 
@@ -111,17 +123,18 @@ class StepRates:
         preferred = (None, 0) if model_says else (0, None)
         arms = self._arms(b)
         order = [arm for arm in dict.fromkeys((*preferred, *arms)) if arm in arms]
-        unmeasured = [arm for arm in order if self._get(b, arm).samples < self.MIN_SAMPLES]
-        if unmeasured:
-            return min(unmeasured, key=lambda arm: self._get(b, arm).samples)
+        unknown = [arm for arm in order if arm in self._unknown(b)]
+        if unknown:
+            return min(unknown, key=lambda arm: self._get(b, arm).samples)
         best_arm = self._best(b)
-        best = self._get(b, best_arm)
+        best = self._estimate(b, best_arm) or 0.0
         overdue: dict[Arm, int] = {}  # per slower arm: steps past its probe's due
         for arm in arms:
-            rate = self._get(b, arm)
             if arm != best_arm:
-                interval = self.probe_interval(best.value, rate.value, len(arms) - 1)
-                overdue[arm] = self._steps[b] - rate.last_step - interval
+                # an arm still leaning on the prior is probed as at a tie: its lead is a guess
+                other = self._estimate(b, arm) or 0.0 if self._measured(b, arm) else best
+                interval = self.probe_interval(best, other, len(arms) - 1)
+                overdue[arm] = self._steps[b] - self._get(b, arm).last_step - interval
         arm = max(overdue, key=overdue.__getitem__)
         return arm if overdue[arm] >= 0 else best_arm
 
@@ -138,7 +151,46 @@ class StepRates:
         return tuple(arm for arm in self.arms if arm in (0, None))
 
     def _best(self, bucket: int) -> Arm:
-        return max(self._arms(bucket), key=lambda arm: self._get(bucket, arm).value)
+        return max(self._arms(bucket), key=lambda arm: self._estimate(bucket, arm) or 0.0)
+
+    def _measured(self, bucket: int, arm: Arm) -> bool:
+        return self._get(bucket, arm).samples >= self.MIN_SAMPLES
+
+    def _unknown(self, bucket: int) -> list[Arm]:
+        """The arms with neither MIN_SAMPLES samples here nor a prior: measured first."""
+        return [arm for arm in self._arms(bucket) if self._estimate(bucket, arm) is None]
+
+    def _estimate(self, bucket: int, arm: Arm) -> float | None:
+        """Tokens per second: this bucket's own rate once it has MIN_SAMPLES samples; before
+        that, the prior's (scaled) blended with what was measured here, sample by sample;
+        None without either."""
+        own = self._get(bucket, arm)
+        if own.samples >= self.MIN_SAMPLES:
+            return own.value
+        prior = self._prior(bucket, arm)
+        if prior is None:
+            return None
+        weight = own.samples / self.MIN_SAMPLES
+        return weight * own.value + (1 - weight) * prior
+
+    def _prior(self, bucket: int, arm: Arm) -> float | None:
+        """`arm`'s rate in the nearest bucket whose arms are all measured, times how much
+        faster the arms measured in both buckets ran here than there (1 before any ran here)."""
+        source = self._nearest_measured(bucket)
+        if source is None or not self._measured(source, arm):
+            return None
+        shared = [a for a in self._arms(bucket) if self._get(bucket, a).samples > 0 and self._measured(source, a)]
+        scale = statistics.fmean(self._get(bucket, a).value / max(self._get(source, a).value, 1e-9) for a in shared) \
+            if shared else 1.0
+        return self._get(source, arm).value * scale
+
+    def _nearest_measured(self, bucket: int) -> int | None:
+        """A neighbour of `bucket` (half or twice its size; the smaller where both are) with all
+        its arms measured. Not further: in a simulated ramp, a prior from two sizes away (8 for
+        32) held the wrong arm for a hundred steps, where measuring every arm took twelve."""
+        near = [b for b in (bucket // 2, bucket * 2)
+                if b >= 1 and all(self._measured(b, arm) for arm in self._arms(b))]
+        return min(near, default=None)
 
     def _get(self, bucket: int, arm: Arm) -> _Rate:
         return self._rates.get((bucket, arm)) or _Rate()

@@ -96,7 +96,72 @@ def test_a_shallow_arm_wins_where_plain_beats_the_models_deep_drafts():
     assert all(late.count(arm) > 0 for arm in (0, 3, None))  # probed
     throughput = len(chosen[100:]) / sum(1 / delivered[arm] for arm in chosen[100:])
     assert throughput >= 0.97 * delivered[1]  # the probes cost little
-    assert rates.verdict(16, model_says=True) == 1 and rates.verdict(4, model_says=True) is None
+    assert rates.verdict(16, model_says=True) == 1
+    assert rates.verdict(8, model_says=True) == 1  # no step at 8 yet: 16's evidence carries over
+    assert rates.verdict(4, model_says=True) is None  # ... but not two octaves down
+    assert StepRates().verdict(4, model_says=True) is None  # nothing measured anywhere: the model's choice
+
+
+# tokens per second per (batch bucket, arm) on a made-up machine: plain wins from 16 rows up,
+# one token a row in between, the model's drafts at 1-2 rows
+RAMP_RATES = {1: {0: 100.0, None: 180.0}, 2: {0: 190.0, None: 300.0},
+              4: {0: 350.0, 1: 420.0, 3: 400.0, None: 380.0}, 8: {0: 520.0, 1: 600.0, 3: 520.0, None: 480.0},
+              16: {0: 640.0, 1: 620.0, 3: 500.0, None: 430.0}, 32: {0: 680.0, 1: 610.0, 3: 470.0, None: 400.0}}
+
+
+def _run_ramp(rates: StepRates, batches: list[int]) -> tuple[float, list]:
+    """Steps at these batch sizes; each step's rows emit a token, faster on the better arm.
+    Returns tokens per second over the whole run and the arms chosen."""
+    tokens = seconds = 0.0
+    chosen = []
+    for batch in batches:
+        arm = rates.choose(batch, model_says=True)
+        rate = RAMP_RATES[batch_bucket(batch)][arm]
+        rates.record(batch, arm, tokens=batch, seconds=batch / rate)
+        tokens, seconds = tokens + batch, seconds + batch / rate
+        chosen.append(arm)
+    return tokens / seconds, chosen
+
+
+def _drain(peak: int, steps_per_size: int) -> list[int]:
+    """`peak` requests arrive together and finish one by one."""
+    return [peak] * 30 + [b for b in range(peak - 1, 0, -1) for _ in range(steps_per_size)]
+
+
+class _NoPrior(StepRates):
+    def _nearest_measured(self, bucket):
+        return None
+
+
+def test_a_bucket_seen_first_starts_from_the_nearest_measured_one():
+    rates = StepRates()
+    _run_ramp(rates, [8] * 40)  # bucket 8 measured: one token a row is best there
+    _, chosen = _run_ramp(rates, [16] * 12)
+    assert chosen[0] == 1  # the neighbour's best arm, not the model's allocation nor an exploration round
+    assert chosen.count(1) + chosen.count(0) >= 10  # no dozen-step exploration of the slow arms
+    _, fresh = _run_ramp(StepRates(), [16] * 12)
+    assert fresh == [None, 0, 1, 3] * 3  # without a neighbour: every arm measured first
+
+
+def test_the_prior_gives_way_to_what_the_bucket_measures():
+    """At 16 rows plain decoding is best, while bucket 8's order says one token a row: the
+    guard moves to plain once its probe of plain runs here."""
+    rates = StepRates()
+    _run_ramp(rates, [8] * 40)
+    _, chosen = _run_ramp(rates, [16] * 150)
+    assert chosen[-50:].count(0) >= 45
+    assert rates.verdict(16, model_says=True) == 0
+
+
+def test_a_draining_batch_runs_faster_with_the_neighbours_prior_than_starting_over_in_every_bucket():
+    """32 requests in flight finishing one by one, three steps at each size: each bucket the
+    batch drains into starts from the one above instead of measuring every arm again."""
+    batches = _drain(32, steps_per_size=3)
+    with_prior, _ = _run_ramp(StepRates(), batches)
+    without, _ = _run_ramp(_NoPrior(), batches)
+    best = sum(batches) / sum(b / max(RAMP_RATES[batch_bucket(b)].values()) for b in batches)
+    assert with_prior > 1.01 * without
+    assert with_prior >= 0.93 * best
 
 
 def test_one_or_two_requests_choose_between_plain_and_the_models_allocation_only():
