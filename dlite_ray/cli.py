@@ -72,7 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=2)
     bench.add_argument("--concurrency", default=None,
-                       help="also measure N requests in flight, e.g. 1,4,16 (dlite vs ar, continuous batching)")
+                       help="also measure N requests in flight, e.g. 1,4,16 (dlite vs ar, continuous batching): short "
+                            "requests fresh, and agent histories (over 1,024 tokens) prefix-cached, apart")
+    bench.add_argument("--ramp", type=int, default=None, metavar="PEAK",
+                       help="also measure a load ramping from 1 request in flight to PEAK and back (dlite vs ar)")
     bench.add_argument("--turns-in-flight", type=int, default=None,
                        help="also measure N of the agentic workload's turns in flight, their histories in the "
                             "prefix cache (dlite vs ar)")

@@ -37,6 +37,8 @@ def _markdown(results: dict, plots: list[str]) -> str:
     lines += _acceptance(results)
     lines += _skipped(results)
     lines += _concurrency(results.get("concurrency"), results.get("concurrency_max_prompt"))
+    lines += _concurrency_agent(results.get("concurrency_agent"))
+    lines += _ramp(results.get("ramp"))
     lines += _turns_in_flight(results.get("turns_in_flight"))
     lines += _followup(results.get("followup"))
     lines += _served(results.get("served"))
@@ -80,8 +82,9 @@ def readme_summary(results: dict) -> str:
                      f"state, its context-lookup index above all, and the target's KV: "
                      f"{last['target_kv_bytes'] / MIB:.1f} MiB")
     mismatches = {n: m["greedy_mismatches"] for n, m in results["methods"].items() if m["greedy_mismatches"]}
-    batched = sum(level.get("greedy_mismatches", 0) for key in ("concurrency", "turns_in_flight")
+    batched = sum(level.get("greedy_mismatches", 0) for key in ("concurrency", "concurrency_agent", "turns_in_flight")
                   for level in (results.get(key) or {}).values())
+    batched += (results.get("ramp") or {}).get("greedy_mismatches", 0)
     if batched:
         mismatches["dlite in flight"] = batched
     lines.append("- greedy replies different from plain decoding: "
@@ -256,12 +259,41 @@ def _concurrency(sweep: dict | None, max_prompt: int | None) -> list[str]:
     if not sweep:
         return []
     which = f"of at most {max_prompt:,} prompt tokens" if max_prompt else ""
-    lines = ["## Requests in flight", "",
-             (f"The speed section's requests {which} (no grammar), cycled, N at a time through "
-              "the continuous-batching engine, no prefix cache (every level pays its prefill); generated tokens/s "
-              "over the wall time; in the decode phase, the tokens after each request's first round over the time "
-              "from the first request's first token to the last request's last (prefill, which both pay alike, "
-              "left out, as in the per-prompt decode tokens/s); request latency:"), "",
+    return _sweep_table("## Requests in flight", (
+        f"The speed section's requests {which} (no grammar), cycled, N at a time through "
+        "the continuous-batching engine, no prefix cache (every level pays its prefill); generated tokens/s "
+        "over the wall time; in the decode phase, the tokens after each request's first round over the time "
+        "from the first request's first token to the last request's last (prefill, which both pay alike, "
+        "left out, as in the per-prompt decode tokens/s); request latency:"), sweep)
+
+
+def _concurrency_agent(sweep: dict | None) -> list[str]:
+    if not sweep:
+        return []
+    lengths = sorted({t for level in sweep.values() for t in level.get("prompt_tokens", [])})
+    which = f" ({', '.join(f'{t:,}' for t in lengths)} tokens)" if lengths else ""
+    return _sweep_table("## Agent histories in flight", (
+        f"The speed section's requests over 1,024 prompt tokens{which}, agent histories, cycled, N at a time, "
+        "each engine holding them in its prefix cache (as a loop's next turn finds its history); columns as "
+        "above:"), sweep)
+
+
+def _ramp(ramp: dict | None) -> list[str]:
+    if not ramp:
+        return []
+    d, a = ramp["dlite"], ramp["ar"]
+    return ["## A ramp: 1 -> {peak} -> 1 in flight".format(peak=ramp["peak"]), "",
+            (f"{ramp['requests']} short requests admitted in order, at most 1 in flight at first, rising to "
+             f"{ramp['peak']} at half of them and falling back to 1 (the cap set by how many were admitted, so "
+             "both engines face the same load); generated tokens/s over the run's wall time:"), "",
+            "| dlite tokens/s | ar tokens/s | dlite/ar | dlite steps | ar steps | replies different |",
+            "|---" * 6 + "|",
+            f"| {d['tokens_per_second']:.1f} | {a['tokens_per_second']:.1f} | {ramp['dlite/ar']:.2f}x | "
+            f"{d['steps']:.0f} | {a['steps']:.0f} | {ramp['greedy_mismatches']} |", ""]
+
+
+def _sweep_table(title: str, intro: str, sweep: dict) -> list[str]:
+    lines = [title, "", intro, "",
              "| in flight | dlite tokens/s | ar tokens/s | dlite/ar | decode phase dlite / ar | dlite/ar decode | "
              "dlite latency p50 / p99 s | ar latency p50 / p99 s | dlite tau | replies different |",
              "|---" * 10 + "|"]

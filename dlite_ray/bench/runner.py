@@ -23,6 +23,7 @@ from dlite_ray.bench.llamacpp import LLAMACPP_METHODS, LlamaCppMethod, bf16_copy
 from dlite_ray.bench.machine import machine_info
 from dlite_ray.bench.methods import HF_METHODS, EngineMethod, Run, hf_method, hf_target
 from dlite_ray.bench.oracle import OracleDraftTransport
+from dlite_ray.bench.ramp import measure_ramp
 from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.stats import percentile, quartiles
 from dlite_ray.bench.workloads import Item, load_workload
@@ -37,7 +38,7 @@ from dlite_ray.training.prompts import tool_turn
 log = logging.getLogger(__name__)
 ALL_METHODS = ("dlite", "ar", "hf", "hf-prompt-lookup", "hf-assisted", "oracle", "dlite-nocache", "dlite-b",
                "dlite-nolookup", "dlite-corpus", "dlite-tree", "dlite-fixed", "lookup", *LLAMACPP_METHODS)
-CONCURRENCY_MAX_PROMPT = 1024  # prompt tokens of the requests the concurrency sweep sends
+CONCURRENCY_MAX_PROMPT = 1024  # longer prompts are agent histories: swept apart, prefix-cached
 
 
 class BenchRequest(NamedTuple):
@@ -80,25 +81,37 @@ def measure_all(args) -> dict:
     results["ratios"] = _ratios(results["workloads"])
     results["paired_ratios"] = _paired_ratios(results["workloads"])
     results["paired_ratios_by_workload"] = _paired_ratios_by_workload(results["workloads"])
+    free = [r.ids for w in prompts.values() for r in w if r.grammar is None]  # batched: no grammar
+    short = [ids for ids in free if len(ids) <= CONCURRENCY_MAX_PROMPT]
+    histories = [ids for ids in free if len(ids) > CONCURRENCY_MAX_PROMPT]
     if args.concurrency:
         levels = [int(c) for c in str(args.concurrency).split(",")]
-        # short requests only (at 32 in flight, 4K-token agent turns would measure prefill alone);
-        # no prefix cache: every level pays its own prefill, as fresh requests would
-        items = [r.ids for w in prompts.values() for r in w
-                 if r.grammar is None and len(r.ids) <= CONCURRENCY_MAX_PROMPT]
-        if not items:
-            raise SystemExit(f"--concurrency needs requests of at most {CONCURRENCY_MAX_PROMPT} prompt tokens "
-                             "without a grammar: add a workload such as chat, code or tool-use")
-        lookup = dlite.lookup_tokens
-        engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=n, enable_prefix_cache=False,
-                                     corpus=dlite.corpus)
-                   for name, draft, n in (("dlite", dlite.draft, lookup), ("ar", None, 0))}
-        results["concurrency"] = measure_concurrency(engines, items, levels, args.max_new_tokens, args.repeats)
-        results["concurrency_max_prompt"] = CONCURRENCY_MAX_PROMPT
+        if not short and not histories:
+            raise SystemExit("--concurrency needs requests without a grammar: add a workload such as chat, "
+                             "code, tool-use, agentic or long-context")
+        if short:  # fresh requests: no prefix cache, every level pays its own prefill
+            results["concurrency"] = measure_concurrency(_pair(dlite, prefix_cache=False), short, levels,
+                                                         args.max_new_tokens, args.repeats)
+            results["concurrency_max_prompt"] = CONCURRENCY_MAX_PROMPT
+        if histories:  # an agent loop's next turns: their histories already in the prefix cache
+            results["concurrency_agent"] = measure_concurrency(_pair(dlite, prefix_cache=True), histories, levels,
+                                                               args.max_new_tokens, args.repeats, warm_prompts=True)
+            for n, level in results["concurrency_agent"].items():
+                level["prompt_tokens"] = sorted({len(histories[i % len(histories)]) for i in range(int(n))})
+    if getattr(args, "ramp", None):
+        results["ramp"] = measure_ramp(_pair(dlite, prefix_cache=False), short or free, args.ramp,
+                                       args.max_new_tokens, args.repeats)
     if args.turns_in_flight:
         results["turns_in_flight"] = measure_turns_in_flight(dlite, prompts, args.turns_in_flight,
                                                              args.max_new_tokens, args.repeats)
     return results
+
+
+def _pair(dlite: DLiteEngine, prefix_cache: bool) -> dict[str, DLiteEngine]:
+    """dlite and plain decoding ("ar") on the same target, fresh schedulers and policies."""
+    return {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=lookup,
+                              enable_prefix_cache=prefix_cache, corpus=dlite.corpus)
+            for name, draft, lookup in (("dlite", dlite.draft, dlite.lookup_tokens), ("ar", None, 0))}
 
 
 def measure_turns_in_flight(dlite: DLiteEngine, prompts: dict[str, list[BenchRequest]], n: int,
@@ -109,8 +122,7 @@ def measure_turns_in_flight(dlite: DLiteEngine, prompts: dict[str, list[BenchReq
     turns = [r.ids for r in prompts.get("agentic", [])]
     if not turns:
         raise SystemExit("--turns-in-flight needs the agentic workload")
-    engines = {name: DLiteEngine(dlite.target, dlite.tokenizer, draft, lookup_tokens=lookup, corpus=dlite.corpus)
-               for name, draft, lookup in (("dlite", dlite.draft, dlite.lookup_tokens), ("ar", None, 0))}
+    engines = _pair(dlite, prefix_cache=True)
     out = measure_concurrency(engines, turns, [n], max_new_tokens, repeats, warm_prompts=True)[str(n)]
     out["prompt_tokens"] = sorted(len(turns[i % len(turns)]) for i in range(n))  # the batch cycles the turns
     return {str(n): out}
