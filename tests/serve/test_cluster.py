@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -300,15 +301,23 @@ def test_a_pair_fits_one_worker_node_as_the_autoscalers_see_it():
 
 # --- weights ---------------------------------------------------------------------------------
 
-@pytest.fixture()
-def fetch_models(monkeypatch):
+def _load_fetch_models(monkeypatch):
+    """cluster/fetch_models.py as a module (registered: its dataclass looks itself up there)."""
     spec = importlib.util.spec_from_file_location("fetch_models", CLUSTER / "fetch_models.py")
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "fetch_models", module)
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture()
+def fetch_models(monkeypatch):
+    module = _load_fetch_models(monkeypatch)
     calls = []
 
-    def fake_download(repo_id: str, revision: str, local_dir: Path) -> None:
+    def fake_download(repo_id: str, revision: str, local_dir: Path, source) -> None:
         calls.append(repo_id)
+        module.last_download = (repo_id, revision, source)
         local_dir.mkdir(parents=True, exist_ok=True)
         if repo_id == module.DEFAULT_TARGET_REPO:
             shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
@@ -339,10 +348,44 @@ def test_fetch_models_downloads_once_then_only_checks(fetch_models, tmp_path):
 def test_fetch_models_refuses_a_draft_without_dlite_config(fetch_models, tmp_path, monkeypatch):
     module, _ = fetch_models
     draft = tmp_path / module.DRAFT_DIR
-    monkeypatch.setattr(module, "snapshot_download", lambda repo_id, revision, local_dir: (
+    monkeypatch.setattr(module, "snapshot_download", lambda repo_id, revision, local_dir, source: (
         local_dir.mkdir(parents=True, exist_ok=True), (local_dir / "config.json").write_text("{}")))
     assert module.main(["--models-dir", str(tmp_path)]) == 1
     assert "config.json:dlite_config" in module.draft_missing(draft)
+
+
+def test_fetch_models_from_a_mirror_or_modelscope(fetch_models, tmp_path, monkeypatch):
+    module, _ = fetch_models
+    monkeypatch.setenv("HF_ENDPOINT", "https://hf-mirror.example")
+    assert module.main(["--models-dir", str(tmp_path / "a")]) == 0
+    assert module.last_download == (module.DEFAULT_DRAFT_REPO, "main", module.Source("huggingface",
+                                                                                    "https://hf-mirror.example"))
+    monkeypatch.delenv("HF_ENDPOINT")
+    assert module.main(["--models-dir", str(tmp_path / "b"), "--source", "modelscope"]) == 0
+    assert module.last_download == (module.DEFAULT_DRAFT_REPO, "master", module.Source("modelscope"))
+    assert module.main(["--models-dir", str(tmp_path / "c"), "--source", "modelscope", "--endpoint", "x"]) == 1
+
+
+def test_fetch_models_hands_the_source_to_the_downloader(tmp_path, monkeypatch):
+    """What reaches huggingface_hub and modelscope (stand-ins: neither is reachable here)."""
+    import types
+
+    import huggingface_hub
+
+    module = _load_fetch_models(monkeypatch)
+    seen = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda **kw: seen.append(("hf", kw)))
+    module.snapshot_download("Qwen/Qwen3-8B", "main", tmp_path, module.Source(endpoint="https://m.example"))
+    assert seen[-1] == ("hf", {"repo_id": "Qwen/Qwen3-8B", "revision": "main", "local_dir": str(tmp_path),
+                               "endpoint": "https://m.example"})
+    monkeypatch.setitem(sys.modules, "modelscope", None)  # not installed
+    with pytest.raises(RuntimeError, match="pip install modelscope"):
+        module.snapshot_download("Qwen/Qwen3-8B", "master", tmp_path, module.Source("modelscope"))
+    fake = types.ModuleType("modelscope")
+    fake.snapshot_download = lambda repo, **kw: seen.append(("ms", repo, kw))
+    monkeypatch.setitem(sys.modules, "modelscope", fake)
+    module.snapshot_download("Qwen/Qwen3-8B", "master", tmp_path, module.Source("modelscope"))
+    assert seen[-1] == ("ms", "Qwen/Qwen3-8B", {"revision": "master", "local_dir": str(tmp_path)})
 
 
 # --- the image -------------------------------------------------------------------------------
