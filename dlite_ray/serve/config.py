@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dlite_ray.engine.engine_config import knob_fields
+from dlite_ray.serve.store_url import parse_store_url
 
 
 def _knob(name: str, **bounds: Any) -> Any:
@@ -101,7 +102,17 @@ class LimitArgs(BaseModel):
 class ConversationArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    store_path: str = Field("dlite-conversations.sqlite3", description="SQLite file of the durable histories")
+    store_path: str = Field("dlite-conversations.sqlite3", description="SQLite file of the durable histories "
+                                                                       "(when store_url is null)")
+    store_url: str | None = Field(
+        None, description="where the durable histories live: sqlite:///PATH (a file on the router's node) or "
+                          "postgresql://USER@HOST:PORT/DB (a server every router replica shares, so histories "
+                          "outlive a node; password from PGPASSWORD or ~/.pgpass); null = the SQLite file "
+                          "store_path")
+    retention_days: float | None = Field(
+        None, gt=0, description="conversations no turn has touched for this many days are deleted with their "
+                                "histories (SQLite overwrites the text in the file; PostgreSQL frees it at "
+                                "VACUUM, see cluster/README.md); null = kept until deleted")
     default_lease_s: float = Field(300.0, gt=0, description="how long a paused conversation's KV is held")
     max_lease_s: float = Field(3600.0, gt=0, description="the longest lease a request may ask for")
     max_conversations_per_tenant: int = Field(
@@ -113,11 +124,23 @@ class ConversationArgs(BaseModel):
                                      "get HTTP 429 / gRPC RESOURCE_EXHAUSTED naming the limit (a turn's reply is "
                                      "stored whatever its size)")
 
+    @field_validator("store_url")
+    @classmethod
+    def _known_store(cls, url: str | None) -> str | None:
+        if url is not None:
+            parse_store_url(url)  # ValueError: what is accepted, the URL without its password
+        return url
+
+    def store_location(self) -> str:
+        """The store's URL: store_url, else the SQLite file store_path."""
+        return self.store_url if self.store_url is not None else f"sqlite:///{self.store_path}"
+
 
 class AppArgs(BaseModel):
     """Arguments of `dlite_ray.serve.app:build_app` (the `args:` block of the Serve YAML)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # errors name the field and the reason, not the value: conversations.store_url may hold a password
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     engine: EngineArgs = Field(default_factory=EngineArgs, description="the engine each TargetWorker runs")
     limits: LimitArgs = Field(default_factory=LimitArgs, description="request limits enforced by the ingress")

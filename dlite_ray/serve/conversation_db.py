@@ -7,23 +7,30 @@ Layouts (`PRAGMA user_version`):
      + turn_keys: a turn's idempotency key, the messages it appended, where its reply is
   2  + conversations.bytes: the stored history's size (UTF-8 JSON), summed per tenant for
        its quota; indexed by tenant
+  3  + conversations.updated: when a turn last touched it (the retention's idle time; an
+       older file's conversations count from the migration)
+     + conversations.revision: bumped by every write, the compare-and-set's (sql_store)
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 from pathlib import Path
 
+from dlite_ray.serve.store_contract import CLOSED, EVICTED, GENERATING, PAUSED
+
+__all__ = ["CLOSED", "EVICTED", "GENERATING", "LAYOUT", "PAUSED", "open_db"]
 log = logging.getLogger(__name__)
-LAYOUT = 2
-GENERATING, PAUSED, CLOSED, EVICTED = "generating", "paused", "closed", "evicted"  # conversations.state
+LAYOUT = 3
 
 _TABLES = """
 CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL,
     replica TEXT, lease_deadline REAL, messages TEXT NOT NULL, created REAL NOT NULL,
-    claim_holder TEXT, claim_deadline REAL, bytes INTEGER NOT NULL DEFAULT 0
+    claim_holder TEXT, claim_deadline REAL, bytes INTEGER NOT NULL DEFAULT 0, updated REAL,
+    revision INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS by_lease ON conversations (state, lease_deadline);
 CREATE INDEX IF NOT EXISTS by_tenant ON conversations (tenant);
@@ -37,7 +44,10 @@ CREATE INDEX IF NOT EXISTS turn_keys_by_version ON turn_keys (conversation_id, v
 
 # columns added to a table after layout 0; ALTER TABLE adds them to an older file
 _ADDED_COLUMNS = {"conversations": {"claim_holder": "TEXT", "claim_deadline": "REAL",
-                                     "bytes": "INTEGER NOT NULL DEFAULT 0"}}
+                                     "bytes": "INTEGER NOT NULL DEFAULT 0", "updated": "REAL",
+                                     "revision": "INTEGER NOT NULL DEFAULT 0"}}
+# indexes over added columns: made once the columns are there
+_ADDED_INDEXES = "CREATE INDEX IF NOT EXISTS by_updated ON conversations (updated);"
 
 
 def open_db(path: str | Path) -> sqlite3.Connection:
@@ -62,6 +72,7 @@ def _migrate(db: sqlite3.Connection) -> None:
         for name, kind in columns.items():
             if name not in have:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+    db.executescript(_ADDED_INDEXES)
     if layout < 1 and not fresh:
         # A layout-0 turn claim has no holder and no deadline, and the process that made it
         # ran older code, so it is gone: its claim ends now (the router releases it).
@@ -73,4 +84,6 @@ def _migrate(db: sqlite3.Connection) -> None:
         db.execute("VACUUM")
     if layout < 2 and not fresh:  # histories stored before their size was: measured once
         db.execute("UPDATE conversations SET bytes = length(CAST(messages AS BLOB))")
+    if layout < 3 and not fresh:  # idle from now: retention never deletes sooner than it says
+        db.execute("UPDATE conversations SET updated = ? WHERE updated IS NULL", (time.time(),))
     db.execute(f"PRAGMA user_version = {LAYOUT}")

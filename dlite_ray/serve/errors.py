@@ -84,6 +84,13 @@ class ReplicaUnavailable(ServeError):
     http_status, grpc_code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
 
 
+class StoreUnavailable(ServeError):
+    """The conversation store (a PostgreSQL server) did not answer: retry. A write whose
+    commit got no answer may have landed; a retry under the same idempotency key finds out."""
+
+    http_status, grpc_code, error_type = 503, grpc.StatusCode.UNAVAILABLE, "service_unavailable"
+
+
 def unwrap(exc: Exception) -> Exception:
     """Ray wraps replica exceptions; find the typed cause for the status mapping."""
     cause = getattr(exc, "cause", None)

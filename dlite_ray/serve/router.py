@@ -2,8 +2,10 @@
 
 The ingress asks it to create, read, claim (begin a turn), renew, complete and delete
 conversations; it expires leases and turn claims in the background and tells the holding
-TargetWorker replica to unpin the conversation's KV. Histories live in SQLite, so a
-restarted router finds every conversation again; a turn claim whose holder is gone
+TargetWorker replica to unpin the conversation's KV, and deletes conversations idle past the
+retention. Histories live in the conversation store (a SQLite file, or a PostgreSQL server
+for a cluster: conversation_store.open_store), so a restarted router finds every
+conversation again; a turn claim whose holder is gone
 (checked against live actors) or whose deadline passed ends, so no conversation stays
 "generating" for good.
 """
@@ -22,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.serve.config import AppArgs
-from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationStore, TenantQuota
+from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationRegistry, TenantQuota, open_store
 from dlite_ray.serve.errors import ConversationBusy
 from dlite_ray.serve.turn_claims import SERVE_REPLICA_PREFIX, UNRENEWED_CLAIM_S, holder_gone, live_actor_names
 
@@ -31,6 +33,7 @@ EXPIRY_PERIOD_S = 5.0
 LIVENESS_CACHE_S = 1.0  # busy answers ask the GCS who is alive at most this often
 MIN_CLAIM_S = 3.0
 RELEASE_TIMEOUT_S = 10.0  # a lease release a replica has not answered by then is given up
+DAY_S = 86400.0
 
 
 class ConversationRouter:
@@ -39,8 +42,8 @@ class ConversationRouter:
         """`live_actors` names the cluster's live actors (None: unknown); tests inject it."""
         self.worker = worker
         self.args, self.limits = args.conversations, args.limits
-        self.store = ConversationStore(self.args.store_path, TenantQuota(self.args.max_conversations_per_tenant,
-                                                                         self.args.max_stored_bytes_per_tenant))
+        quota = TenantQuota(self.args.max_conversations_per_tenant, self.args.max_stored_bytes_per_tenant)
+        self.store: ConversationRegistry = open_store(self.args.store_location(), quota)
         self._live_actors = live_actors
         self._live: tuple[float, set[str] | None] = (-math.inf, None)
         self._expiry: asyncio.Task[None] | None = None
@@ -74,6 +77,10 @@ class ConversationRouter:
         for conv in self.store.expire_claims(now):
             log.info("turn claim on %s by %s ended: evicted (history kept)", conv.id, conv.claim_holder)
             ended.append(conv)
+        if self.args.retention_days is not None:
+            for conv in self.store.delete_idle(self.args.retention_days * DAY_S, now):
+                log.info("%s idle past the retention (%g days): deleted", conv.id, self.args.retention_days)
+                ended.append(conv)
         holders = self.store.claim_holders()  # before the lookup: a claim made after it is not judged by it
         live = await self._live_names(max_age=0)
         if live is not None:
@@ -206,13 +213,18 @@ class ConversationRouter:
     async def refuse_turn(self, tenant: str, conversation_id: str, version: int, messages: list[dict]) -> None:
         """Turn `version` was refused before generating (an invalid request): its messages
         leave the history and the conversation is as it was before the turn
-        (`ConversationStore.refuse_turn`)."""
+        (`SqlConversationStore.refuse_turn`)."""
         self.store.refuse_turn(tenant, conversation_id, version, messages)
 
     async def delete(self, tenant: str, conversation_id: str) -> bool:
         conv = self.store.delete(tenant, conversation_id)
         await self._release(conv.id, conv.replica)
         return True
+
+    async def store_health(self) -> dict:
+        """Whether the store answers a trivial query and its latency (`StoreHealth`), asked
+        off the event loop: a server that does not answer holds up no turn."""
+        return asdict(await asyncio.to_thread(self.store.health))
 
     async def mark_evicted(self, conversation_ids: list[str], replica: str) -> int:
         """A replica gave up these conversations' KV under memory pressure."""
