@@ -30,6 +30,7 @@ from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
 from dlite_ray.runtime.sampling import RowSampling, probabilities, race, uniforms
 from dlite_ray.runtime.sequential_head import DLiteSequentialHead
+from dlite_ray.runtime.target_probe import check_probe, probe_of
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +199,10 @@ class DLiteDraftModel(nn.Module):
     def save(self, directory: str | Path, dtype: torch.dtype = torch.bfloat16) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2))
+        config = self.cfg.to_dict()
+        # which target it was trained for, checked at load (target_probe.py)
+        config["dlite_config"]["target_probe"] = probe_of(self.embed_tokens.weight)
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
         state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.checkpoint_state().items()}
         save_file(state, directory / "model.safetensors")
 
@@ -210,6 +214,7 @@ class DLiteDraftModel(nn.Module):
             raise DraftConfigError(f"{directory} is not a draft checkpoint (needs config.json + model.safetensors)")
         cfg = DraftConfig.from_dict(json.loads((directory / "config.json").read_text()))
         _check_compatible(cfg, target_embedding, num_target_layers)
+        check_probe(cfg.hf_config["dlite_config"].get("target_probe"), target_embedding.weight, str(directory))
         log.info("draft %s (%s, G=%d): conventions %s (%s)", directory, cfg.architecture_version,
                  cfg.anchor_group_size, cfg.conventions.describe(),
                  "recorded in its config" if cfg.conventions_recorded else "none recorded: the public release's")
