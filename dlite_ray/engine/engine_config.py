@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, get_type_hints
+from typing import Any, Literal, cast, get_type_hints
 
 import torch
 
@@ -26,6 +26,7 @@ from dlite_ray.engine.scheduler import SchedulerConfig
 from dlite_ray.runtime.attention import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.cpu_features import has_bf16_math
 
+DtypeName = Literal["float32", "bfloat16", "float16"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_BOUNDARY_CAPACITY = 64  # stored boundaries kept outside leases (engine/boundary_store.py)
 
@@ -41,13 +42,13 @@ def normalize_device(device: str) -> str:
     return str(parsed)
 
 
-def resolve_dtype(name: str, device: str) -> str:
+def resolve_dtype(name: str, device: str) -> DtypeName:
     """A dtype name, with "auto" settled for `device`: bfloat16 on an accelerator and on a CPU
     with AVX-512 BF16 or AMX, float32 on other CPUs (where bf16 arithmetic is emulated and
     slower). Greedy output equals plain decoding's in either."""
     if name != "auto":
         torch_dtype(name)
-        return name
+        return cast(DtypeName, name)
     if torch.device(device).type != "cpu" or has_bf16_math():
         return "bfloat16"
     return "float32"

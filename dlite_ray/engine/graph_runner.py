@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
 
 import torch
 
@@ -76,7 +76,7 @@ class GraphSafeBackend(Protocol):
         ...
 
 
-def is_graph_safe(backend: object) -> bool:
+def is_graph_safe(backend: object) -> TypeGuard[GraphSafeBackend]:
     return bool(getattr(backend, "graph_safe", False))
 
 
@@ -150,7 +150,7 @@ class GraphRunner:
         # The host buffer is rewritten by the next step: not before the last copy out of it ran.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
         self._graphs: dict[tuple[int, int], _Graph | None] = {}
-        self._pool = None
+        self._pool: Any = None  # torch's graph memory-pool handle, once the first graph is captured
         counts = sorted({b * q for b in self.buckets for q in config.query_lens if b * q > EXACT_ROWS})
         split = cover_row_counts(runner.target, tuple(counts))
         if split:
@@ -197,7 +197,10 @@ class GraphRunner:
         if self._copied is not None:
             self._copied.synchronize()
         host, m, bs = self._host.numpy(), self._max_tokens, self.block_size
-        ids, positions, slots, lens = [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
         tables = host[self._tables_at:self._tables_at + bucket * self.table_width].reshape(bucket, self.table_width)
         tables[:] = self.scratch_block  # unused entries too: a kernel reading past a row's end reads scratch
         for i, row in enumerate(rows):
@@ -217,7 +220,7 @@ class GraphRunner:
         host[:t], host[m:m + t], host[2 * m:2 * m + t] = ids, positions, slots
         host[3 * m:3 * m + bucket] = lens
         end = self._tables_at + bucket * self.table_width
-        if self._device is not self._host:
+        if self._copied is not None:  # on CUDA: the device buffer is another tensor
             self._device[:end].copy_(self._host[:end], non_blocking=True)
             self._copied.record()
         return self._views(q, bucket)
