@@ -29,6 +29,7 @@ from dlite_ray.serve.errors import OutputFailed
 from dlite_ray.serve.grpc_api import GrpcMethods
 from dlite_ray.serve.metrics import Metrics
 from dlite_ray.serve.openai_api import OpenAIRoutes, app
+from dlite_ray.serve.store_probe import StoreProbe
 from dlite_ray.serve.tenant_limits import TenantLimits
 from dlite_ray.serve.turn_claims import holder_identity
 from dlite_ray.serve.worker_messages import GenerateChunk
@@ -45,6 +46,8 @@ class DLiteIngress(OpenAIRoutes, GrpcMethods):
         self.tenant_limits = TenantLimits(args.limits.max_in_flight_per_tenant)
         self.probe = WorkerProbe(lambda: self.worker.stats.remote(), args.worker_probe_timeout_s,
                                  args.worker_probe_ttl_s, registry=self.metrics.registry)
+        self.store_probe = StoreProbe(lambda: self.router.store_health.remote(), args.worker_probe_timeout_s,
+                                      args.worker_probe_ttl_s, registry=self.metrics.registry)
         self.holder = holder_identity()  # who holds a conversation's turn: this replica
         self.turns = ConversationTurns(router, self.holder, self._start)
 

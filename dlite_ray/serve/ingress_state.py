@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from dlite_ray.serve.config import AppArgs
     from dlite_ray.serve.conversation_turn import ConversationTurns
     from dlite_ray.serve.metrics import Metrics
+    from dlite_ray.serve.store_probe import StoreProbe
     from dlite_ray.serve.tenant_limits import TenantLimits
     from dlite_ray.serve.worker_messages import GenerateChunk
     from dlite_ray.serve.worker_probe import WorkerProbe
@@ -30,5 +31,6 @@ class IngressState:
     keys: KeyRing
     tenant_limits: TenantLimits
     probe: WorkerProbe
+    store_probe: StoreProbe
     turns: ConversationTurns
     _start: StartRequest

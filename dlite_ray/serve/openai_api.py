@@ -31,6 +31,7 @@ from dlite_ray.serve.openai_requests import (
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
 from dlite_ray.serve.request_limits import idempotency_key
 from dlite_ray.serve.request_types import ParsedRequest
+from dlite_ray.serve.store_probe import reachable
 from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
 from dlite_ray.serve.worker_messages import GenerateChunk
 from dlite_ray.serve.worker_probe import health
@@ -46,8 +47,11 @@ class OpenAIRoutes(IngressState):
     @app.get("/healthz")
     async def healthz(self) -> JSONResponse:
         """Open to all, so it says only whether a TargetWorker answers (503 when none does) and,
-        when it serves without its draft, which replica and why (`worker_probe.health`)."""
+        when it serves without its draft, which replica and why (`worker_probe.health`); when
+        the conversation store does not answer, that (degraded: completions still serve)."""
         body = health(await self.probe.stats())
+        if body["status"] == "ok" and not reachable(await self.store_probe.health()):
+            body = {"status": "degraded", "reason": "the conversation store is unreachable"}
         return JSONResponse(body, status_code=503 if body["status"] == "unavailable" else 200)
 
     @app.get("/v1/models")
@@ -57,7 +61,8 @@ class OpenAIRoutes(IngressState):
     @app.get("/metrics")
     async def prometheus(self, request: Request):
         """Prometheus text; the worker figures are left as last seen when no worker answers
-        in time (dlite_worker_up 0)."""
+        in time (dlite_worker_up 0), the store's latency as last seen when it does not answer
+        (dlite_store_up 0)."""
         try:
             self.keys.ops_tenant(request.headers.get("authorization"))
         except Exception as exc:  # noqa: BLE001
@@ -65,6 +70,7 @@ class OpenAIRoutes(IngressState):
         stats = await self.probe.stats()
         if stats is not None:
             self.metrics.set_worker_stats(stats)
+        await self.store_probe.health()  # dlite_store_up, dlite_store_latency_seconds
         return PlainTextResponse(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
