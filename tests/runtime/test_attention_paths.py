@@ -6,6 +6,7 @@ its blocks sit."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -167,29 +168,64 @@ def test_key_halves_equal_plain_attention(dtype):
     torch.testing.assert_close(split.double(), reference, **tol)
 
 
+def _fixed_rows_kernel(q, k, v, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """An exact stand-in for the CPU kernel (`cpu_exactness._cpu_kernel`): every call padded
+    to MAX_POSITIONED_ROWS rows and computed in float64, so a row's bits cannot depend on how
+    many rows the call has (the same shapes, the same arithmetic).
+    q [B, H, R, Dh], k, v [B, H, L, Dh], mask [R, L] or [B, 1, R, L] -> (out, lse [B, H, R])."""
+    rows, pad = q.shape[2], MAX_POSITIONED_ROWS - q.shape[2]
+    q = F.pad(q.double(), (0, 0, 0, pad)) * q.shape[-1] ** -0.5
+    mask = F.pad(mask.double(), (0, 0, 0, pad))
+    scores = q @ k.double().transpose(-1, -2) + mask  # [B, H, MAX_POSITIONED_ROWS, L]
+    out, lse = scores.softmax(dim=-1) @ v.double(), scores.logsumexp(dim=-1)
+    return out[:, :, :rows].to(k.dtype), lse[:, :, :rows].float()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_key_halves_give_a_row_the_same_bits_whatever_the_row_count(dtype):
-    """Each row the same bits in a call of every row count a step may make (padded as the
-    kernel needs): the merge's exp must not depend on the row count, as a softmax over a
-    row-count-wide tensor does (vectorised for some rows, scalar for the rest; in float32
-    that shows at once, in bf16 rarely)."""
-    head_dim = 64  # SmolLM2's: with 8, every call is padded to the full count here
-    tail = cpu_exactness._smallest_exact_tail(dtype, head_dim, GROUP)
-    if tail is None:
-        pytest.skip("every call is padded to the full row count here")
-    assert cpu_exactness._short_calls_match_full(dtype, head_dim, GROUP, tail, split_keys=True)
+def test_key_halves_give_a_row_the_same_bits_whatever_the_row_count(dtype, monkeypatch):
+    """Each row the same bits in a call of every row count a step may make, unpadded: the
+    merge's exp must not depend on the row count, as a softmax over a row-count-wide tensor
+    does (vectorised for some rows, scalar for the rest). Over an exact kernel, so the merge
+    is what is checked, on every CPU (the real kernel's own rounding is measured by the
+    engine, `_kernel_plan`, and checked below)."""
+    monkeypatch.setattr(cpu_exactness, "_cpu_kernel", _fixed_rows_kernel)
+    assert cpu_exactness._short_calls_match_full(dtype, 64, GROUP, 1, split_keys=True)
 
 
+def test_key_halves_that_round_by_row_count_are_measured_inexact(monkeypatch):
+    """The measurement behind `split_keys` must catch key halves whose rows depend on the
+    call's row count: the engine then attends long calls in one piece (exact halves measure
+    exact: the test above)."""
+    monkeypatch.setattr(cpu_exactness, "_cpu_kernel", _fixed_rows_kernel)
+    monkeypatch.setattr(cpu_exactness, "_smallest_exact_tail", lambda *shape: 1)  # short calls unpadded
+    exact = cpu_exactness._attend_key_halves
+
+    def rounds_by_row_count(q, k, v, mask):
+        out = exact(q, k, v, mask)
+        return out + torch.finfo(out.dtype).eps if q.shape[1] < MAX_POSITIONED_ROWS else out
+
+    monkeypatch.setattr(cpu_exactness, "_attend_key_halves", rounds_by_row_count)
+    plan = cpu_exactness._kernel_plan.__wrapped__(torch.bfloat16, DH, GROUP)  # measured afresh, not cached
+    assert plan == cpu_exactness.KernelPlan(1, False)
+
+
+@pytest.mark.parametrize("split_measured", ["as here", "inexact"])
 @pytest.mark.parametrize("layout", ["consecutive", "scattered"])
-def test_verify_rows_equal_plain_decoding_where_keys_split(layout, row_policy, odd_thread_count, monkeypatch):
+def test_verify_rows_equal_plain_decoding_where_keys_split(layout, row_policy, split_measured, odd_thread_count,
+                                                           monkeypatch):
+    """Rows exact whether the keys split or not, and split only where the plan allows it
+    (the plan as this CPU measured it, or one that found splitting inexact: no skip)."""
     split_calls = []
     halves = sdpa._attend_key_halves
     monkeypatch.setattr(sdpa, "_attend_key_halves", lambda *a: split_calls.append(1) or halves(*a))
-    if row_policy == "measured" and not cpu_exactness._kernel_plan(torch.bfloat16, DH, GROUP).split_keys:
-        pytest.skip("splitting the keys was measured inexact here: the engine does not split")
+    if split_measured == "inexact":
+        measured = cpu_exactness._kernel_plan
+        for module in (cpu_exactness, sdpa):
+            monkeypatch.setattr(module, "_kernel_plan", lambda *shape: replace(measured(*shape), split_keys=False))
+    plan = cpu_exactness._kernel_plan(torch.bfloat16, DH, GROUP)
     q, k, v = _inputs(LONG, torch.bfloat16, seed=13)
     table = _tables(LONG)[layout]
     decoded = _run(table, q, k, v, [1] * 16, torch.bfloat16)[-16:]
     for steps in ([1] * 10 + [6], [16], [8, 8]):
         assert torch.equal(_run(table, q, k, v, steps, torch.bfloat16)[-16:], decoded), steps
-    assert split_calls
+    assert bool(split_calls) == plan.split_keys  # always split where padded (the plan is replaced)

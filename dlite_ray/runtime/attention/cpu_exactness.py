@@ -120,8 +120,16 @@ def _worth_splitting(num_heads: int, num_keys: int) -> bool:
 def _attend_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
     """q [H, R, Dh] over k, v [H, L, Dh] with an additive mask [R, L] -> [H, R, Dh], by the
     CPU's fused kernel (it reads strided views)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q[None], k[None], v[None], attn_mask=additive_mask)[0][0]
+    return _cpu_kernel(q[None], k[None], v[None], additive_mask)[0][0]
+
+
+def _cpu_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                additive_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's fused kernel: q [B, H, R, Dh] over k, v [B, H, L, Dh] -> (out [B, H, R, Dh],
+    log-sum-exp [B, H, R]). One name for it, so a test can put an exact kernel in its place
+    and check what is built on it (the key halves' merge) on any CPU."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive_mask)[:2]
+    return out, lse
 
 
 def _attend_key_halves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additive_mask: torch.Tensor) -> torch.Tensor:
@@ -132,8 +140,7 @@ def _attend_key_halves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, additi
     rows, half = q.shape[1], k.shape[1] // 2
     k2, v2 = (t.unflatten(1, (2, half)).transpose(0, 1) for t in (k, v))  # [2, H, L/2, Dh] views
     mask2 = additive_mask.unflatten(1, (2, half)).transpose(0, 1)[:, None]  # [2, 1, R, L/2]
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q.expand(2, *q.shape), k2, v2, attn_mask=mask2)[:2]
+    out, lse = _cpu_kernel(q.expand(2, *q.shape), k2, v2, mask2)
     # The weights' exp runs vectorised on whole vectors and scalar on a remainder, so the
     # row count would decide which exp a row gets: at MAX_POSITIONED_ROWS it never does.
     weights = F.pad(lse, (0, MAX_POSITIONED_ROWS - rows)).softmax(dim=0)[..., :rows, None]
