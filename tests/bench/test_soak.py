@@ -4,6 +4,7 @@ unexplained errors, the latency ratio). The soak itself runs by hand (see the is
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -49,10 +50,12 @@ def test_the_plan_cycles_through_every_kind_from_half_a_period():
 
 
 class FakeActions:
-    """Records calls; a fault recovers after `recover_after` looks; 'router' cannot be injected."""
+    """Records calls; a fault recovers after `recover_after` looks; 'router' cannot be injected;
+    `injected` is set once a fault has been."""
 
     def __init__(self, recover_after: int = 3):
         self.calls: list[tuple[str, str]] = []
+        self.injected = threading.Event()
         self.looks: dict[str, int] = {}
         self.recover_after = recover_after
 
@@ -60,6 +63,7 @@ class FakeActions:
         if kind == "router":
             raise RuntimeError("no live router")
         self.calls.append(("inject", kind))
+        self.injected.set()
         return f"{kind}-replica"
 
     def recovered(self, kind: str, target: str) -> bool:
@@ -97,7 +101,7 @@ def test_a_stopped_injector_schedules_nothing_more_and_a_fault_that_never_recove
     injector = FaultInjector(plan_faults(100, 10, ("draft",), first_at_s=0), actions, time.monotonic(), 0.0,
                              recovery_timeout_s=0.05, poll_s=0.01)
     injector.start()
-    time.sleep(0.02)
+    assert actions.injected.wait(30)  # the first fault is in progress (a guard, not a figure under test)
     injector.stop()
     assert len(injector.events) == 1 and injector.events[0].error == "not recovered within 0 s"
     assert fault_windows(injector.events, after_s=1.0, horizon_s=50.0) == [(injector.events[0].injected_at_s, 51.0)]
