@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dlite_ray"
 # The extras a subpackage's imports may come from, besides the core (runtime, engine, cli.py: core only).
 # serve/conversation_pg.py (store_url: postgresql://...) imports psycopg, of the `postgres` extra.
-EXTRAS_OF = {"serve": ("serve", "postgres"), "training": ("train",), "bench": ("bench", "llamacpp"), "gpu_check": ("gpu",)}
+EXTRAS_OF = {"serve": ("serve", "postgres"), "training": ("train",), "bench": ("bench", "llamacpp"),
+             "gpu_check": ("gpu",)}
 # Imported, never declared, on purpose.
 UNDECLARED = {
     "flash-attn": "the `gpu` extra: a prebuilt wheel installed by hand, PyPI has only its source (cluster/README.md)",
