@@ -48,6 +48,7 @@ def build_app(args: AppArgs | dict) -> Application:
     # The router's calls are short and never wait on generation: Serve's default of 5 at a
     # time would queue one tenant's conversation flood in front of everyone's turns.
     router = ConversationRouterDeployment.options(ray_actor_options={"num_cpus": 0},
+                                                  num_replicas=args.conversations.router_replicas,
                                                   max_ongoing_requests=ROUTER_MAX_ONGOING).bind(worker, args)
     return DLiteIngressDeployment.options(**ingress_options(args)).bind(worker, router, args)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dlite_ray.engine.engine_config import knob_fields
 from dlite_ray.serve.store_url import parse_store_url
@@ -109,6 +109,10 @@ class ConversationArgs(BaseModel):
                           "postgresql://USER@HOST:PORT/DB (a server every router replica shares, so histories "
                           "outlive a node; password from PGPASSWORD or ~/.pgpass); null = the SQLite file "
                           "store_path")
+    router_replicas: int = Field(
+        1, ge=1, description="ConversationRouter replicas; more than one need store_url postgresql://... . Each "
+                             "is stateless beyond the store (claims, leases and which replica holds a "
+                             "conversation's KV live there), so a turn goes on through either when one dies")
     retention_days: float | None = Field(
         None, gt=0, description="conversations no turn has touched for this many days are deleted with their "
                                 "histories (SQLite overwrites the text in the file; PostgreSQL frees it at "
@@ -130,6 +134,14 @@ class ConversationArgs(BaseModel):
         if url is not None:
             parse_store_url(url)  # ValueError: what is accepted, the URL without its password
         return url
+
+    @model_validator(mode="after")
+    def _replicas_share_the_store(self) -> ConversationArgs:
+        if self.router_replicas > 1 and parse_store_url(self.store_location())[0] != "postgresql":
+            raise ValueError(f"conversations.router_replicas = {self.router_replicas} needs a store every replica "
+                             f"shares: set conversations.store_url to postgresql://... (a SQLite file lives on "
+                             f"one node)")
+        return self
 
     def store_location(self) -> str:
         """The store's URL: store_url, else the SQLite file store_path."""

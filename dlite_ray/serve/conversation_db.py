@@ -10,6 +10,7 @@ Layouts (`PRAGMA user_version`):
   3  + conversations.updated: when a turn last touched it (the retention's idle time; an
        older file's conversations count from the migration)
      + conversations.revision: bumped by every write, the compare-and-set's (sql_store)
+     + conversations.claim_token: the request that holds the turn (its retried claim gets it back)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, version INTEGER NOT NULL, state TEXT NOT NULL,
     replica TEXT, lease_deadline REAL, messages TEXT NOT NULL, created REAL NOT NULL,
     claim_holder TEXT, claim_deadline REAL, bytes INTEGER NOT NULL DEFAULT 0, updated REAL,
-    revision INTEGER NOT NULL DEFAULT 0
+    revision INTEGER NOT NULL DEFAULT 0, claim_token TEXT
 );
 CREATE INDEX IF NOT EXISTS by_lease ON conversations (state, lease_deadline);
 CREATE INDEX IF NOT EXISTS by_tenant ON conversations (tenant);
@@ -45,7 +46,7 @@ CREATE INDEX IF NOT EXISTS turn_keys_by_version ON turn_keys (conversation_id, v
 # columns added to a table after layout 0; ALTER TABLE adds them to an older file
 _ADDED_COLUMNS = {"conversations": {"claim_holder": "TEXT", "claim_deadline": "REAL",
                                      "bytes": "INTEGER NOT NULL DEFAULT 0", "updated": "REAL",
-                                     "revision": "INTEGER NOT NULL DEFAULT 0"}}
+                                     "revision": "INTEGER NOT NULL DEFAULT 0", "claim_token": "TEXT"}}
 # indexes over added columns: made once the columns are there
 _ADDED_INDEXES = "CREATE INDEX IF NOT EXISTS by_updated ON conversations (updated);"
 

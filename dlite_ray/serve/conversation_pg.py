@@ -49,8 +49,9 @@ CREATE TABLE IF NOT EXISTS conversations (
     id TEXT PRIMARY KEY, tenant TEXT NOT NULL, version BIGINT NOT NULL, state TEXT NOT NULL,
     replica TEXT, lease_deadline DOUBLE PRECISION, messages TEXT NOT NULL, created DOUBLE PRECISION NOT NULL,
     claim_holder TEXT, claim_deadline DOUBLE PRECISION, bytes BIGINT NOT NULL DEFAULT 0,
-    updated DOUBLE PRECISION, revision BIGINT NOT NULL DEFAULT 0
+    updated DOUBLE PRECISION, revision BIGINT NOT NULL DEFAULT 0, claim_token TEXT
 );
+ALTER TABLE conversations ADD COLUMN IF NOT EXISTS claim_token TEXT;
 CREATE INDEX IF NOT EXISTS by_lease ON conversations (state, lease_deadline);
 CREATE INDEX IF NOT EXISTS by_tenant ON conversations (tenant);
 CREATE INDEX IF NOT EXISTS by_updated ON conversations (updated);

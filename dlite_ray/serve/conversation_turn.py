@@ -1,16 +1,25 @@
 """A conversation turn: claim the conversation, generate from its history, store the reply
 (or give the turn up), in three calls: the router's `begin_turn`, the worker's `generate`,
 the router's `finish_turn` / `abandon_turn` / `refuse_turn` (and `renew_turn` every few
-seconds while the reply streams)."""
+seconds while the reply streams).
+
+With several router replicas, one may die with a call in flight, after or before it reached
+the store; a store restart fails a call mid-transaction. The calls that are safe to repeat
+are repeated (`_through_router`): a claim by its token, a finish by its reply, an abandon by
+its version. A refusal is not (a new turn may take the refused version again in between)."""
 
 from __future__ import annotations
 
+import asyncio
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
 from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
-from dlite_ray.serve.errors import BadRequest, OutputFailed, unwrap
+from dlite_ray.serve.errors import BadRequest, OutputFailed, ReplicaUnavailable, StoreUnavailable, unwrap
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.request_types import ConversationTurn
 from dlite_ray.serve.tool_prompt import forced_call_params, functions_in, tools_in
@@ -19,6 +28,9 @@ from dlite_ray.serve.worker_messages import GenerateChunk
 
 # DLiteIngress._start: a request sent to a worker, once accepted -> (its chunks, cancel)
 Start = Callable[..., Awaitable[tuple[AsyncIterator[GenerateChunk], Callable[[], None]]]]
+ROUTER_ATTEMPTS = 7
+ROUTER_RETRY_S = 0.1  # doubled after each lost call: 12.7 s in all, past a database restart or failover
+_LOST = (ActorDiedError, ActorUnavailableError, RayActorError, ReplicaUnavailable, StoreUnavailable)
 
 
 class ConversationTurns:
@@ -40,8 +52,10 @@ class ConversationTurns:
         appended; one the engine refuses (over the context) is refused before its first
         token, and `refuse_turn` takes the turn's messages back out: a client's retry does
         not pile up copies of the same messages."""
-        conv = await self.router.begin_turn.remote(tenant, conversation_id, turn.new_messages, holder=self.holder,
-                                                   idempotency_key=idempotency_key, claim_s=RENEWED_CLAIM_S)
+        token = uuid.uuid4().hex  # this request's claim: a repeated begin_turn gets it back
+        conv = await _through_router(lambda: self.router.begin_turn.remote(
+            tenant, conversation_id, turn.new_messages, holder=self.holder, idempotency_key=idempotency_key,
+            claim_s=RENEWED_CLAIM_S, claim_token=token))
         tools = () if turn.tool_choice == "none" else tools_in(conv["messages"])
         if conv["replayed"] is not None:  # finished before: the stored reply, nothing generated
             async for chunk in held_for_tool_calls(_one(replay_chunk(conv["replayed"])), tools):
@@ -79,12 +93,14 @@ class ConversationTurns:
         finally:
             await chunks.aclose()  # no renewal may land after the turn ends (it would claim it again)
             if last is not None:
-                await self.router.finish_turn.remote(tenant, conversation_id, version, text, last.replica,
-                                                     turn.lease_s, finish_reason=last.finish_reason)
+                await _through_router(lambda: self.router.finish_turn.remote(
+                    tenant, conversation_id, version, text, last.replica, turn.lease_s,
+                    finish_reason=last.finish_reason))
             elif refused:
                 await self.router.refuse_turn.remote(tenant, conversation_id, version, turn.new_messages)
             else:
-                await self.router.abandon_turn.remote(tenant, conversation_id, version=version, pinned_on=failed_on)
+                await _through_router(lambda: self.router.abandon_turn.remote(
+                    tenant, conversation_id, version=version, pinned_on=failed_on))
 
 
 def _under_tool_choice(turn: ConversationTurn, history: list[dict[str, str]]) -> SamplingParams:
@@ -95,6 +111,21 @@ def _under_tool_choice(turn: ConversationTurn, history: list[dict[str, str]]) ->
         return forced_call_params(turn.params, turn.tool_choice, functions_in(history))
     except BadRequest as exc:
         raise InvalidRequest(str(exc)) from exc
+
+
+async def _through_router(call: Callable[[], Awaitable[Any]]) -> Any:
+    """`call()` (a router call that is safe to repeat), again while it is lost: its router
+    replica died (Serve sends the next call to a live one) or the store did not answer."""
+    delay = ROUTER_RETRY_S
+    for _ in range(ROUTER_ATTEMPTS - 1):
+        try:
+            return await call()
+        except Exception as exc:  # noqa: BLE001 - only a lost call is repeated
+            if not isinstance(unwrap(exc), _LOST):
+                raise
+        await asyncio.sleep(delay)
+        delay *= 2
+    return await call()
 
 
 async def _one(chunk: GenerateChunk) -> AsyncIterator[GenerateChunk]:

@@ -146,7 +146,8 @@ class ConversationRouter:
         return _public(self.store.get(tenant, conversation_id))
 
     async def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict], holder: str | None = None,
-                         idempotency_key: str | None = None, claim_s: float | None = None) -> dict:
+                         idempotency_key: str | None = None, claim_s: float | None = None,
+                         claim_token: str | None = None) -> dict:
         """Append `messages` and claim the conversation for one turn.
 
         holder: the calling replica (`turn_claims.holder_identity()`); its claim ends as
@@ -155,12 +156,15 @@ class ConversationRouter:
         idempotency_key: a retry with the same key and messages appends nothing; when that
             turn finished, the result's `replayed` holds its reply and finish reason (do not
             generate), else the failed turn is claimed again.
+        claim_token: the calling request's; the same call again (its answer lost with a router
+            replica) gets the claim it made back instead of ConversationBusy.
         A history that would pass max_prompt_chars is refused (PayloadTooLarge) before
         anything is appended. The result: the conversation, with the whole history to
         generate from, its `version` (the turn's) and the `replica` that holds its KV."""
         self._ensure_expiry_task()
         begin = partial(self.store.begin_turn, tenant, conversation_id, messages, holder=holder,
-                        claim_s=_claim_s(claim_s), idempotency_key=idempotency_key, limits=self.limits)
+                        claim_s=_claim_s(claim_s), idempotency_key=idempotency_key, limits=self.limits,
+                        claim_token=claim_token)
         try:
             conv = begin()
         except ConversationBusy:
@@ -240,13 +244,14 @@ def _claim_s(claim_s: float | None) -> float:
 
 
 def _public(conv: Conversation, turn: bool = False) -> dict:
-    """What callers see: never the claim's holder (an internal actor name); `replayed` only
-    from begin_turn."""
+    """What callers see: never the claim's holder (an internal actor name) or token; `replayed`
+    only from begin_turn."""
     out = asdict(conv)
-    del out["claim_holder"]
+    del out["claim_holder"], out["claim_token"]
     if not turn:
         del out["replayed"]
     return out
 
 
+# replicas: conversations.router_replicas (app.build_app); more than one need a shared store
 ConversationRouterDeployment = serve.deployment(name="ConversationRouter", num_replicas=1)(ConversationRouter)

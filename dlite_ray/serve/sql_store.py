@@ -44,7 +44,8 @@ from dlite_ray.serve.turn_claims import MAX_IDEMPOTENCY_KEY_CHARS, UNRENEWED_CLA
 
 T = TypeVar("T")
 CAS_ATTEMPTS = 16  # reads-then-writes of one operation before it gives up (ConversationBusy)
-_COLUMNS = "id, tenant, version, state, replica, lease_deadline, messages, claim_holder, claim_deadline, revision"
+_COLUMNS = ("id, tenant, version, state, replica, lease_deadline, messages, claim_holder, claim_deadline, revision, "
+            "claim_token")
 
 
 class Rows(Protocol):
@@ -107,7 +108,7 @@ class SqlConversationStore(ABC):
     def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict[str, str]], *,
                    holder: str | None = None, claim_s: float = UNRENEWED_CLAIM_S,
                    idempotency_key: str | None = None, limits: LimitArgs | None = None,
-                   now: float | None = None) -> Conversation:
+                   now: float | None = None, claim_token: str | None = None) -> Conversation:
         """Append the new messages and claim the conversation for one generation, for
         `holder` until `claim_s` from now (a claim whose deadline passed is taken over).
 
@@ -115,12 +116,16 @@ class SqlConversationStore(ABC):
         run again (the result carries `replayed`, the messages are not appended); a turn
         that failed is claimed again without appending its messages a second time.
         `limits`: a history that would pass `max_prompt_chars` is refused (PayloadTooLarge)
-        before anything is appended."""
+        before anything is appended. `claim_token`: the calling request's; called again with
+        it while its claim holds the conversation, the claim is returned as it is (the first
+        answer was lost: a router replica died after the claim was stored)."""
         now = time.time() if now is None else now
         digest = _digest(messages)
 
         def attempt(q: Query) -> Conversation:
             conv, revision = self._load_for_write(q, tenant, conversation_id)
+            if claim_token is not None and conv.state == GENERATING and conv.claim_token == claim_token:
+                return conv
             key = _turn_key(q, conv.id, idempotency_key)
             if key is not None:
                 version, key_digest, reply_index, finish_reason = key
@@ -141,6 +146,7 @@ class SqlConversationStore(ABC):
                 conv.messages += messages
             conv.version += 1
             conv.state, conv.claim_holder, conv.claim_deadline = GENERATING, holder, now + claim_s
+            conv.claim_token = claim_token
             _save(q, conv, revision, now)
             if idempotency_key is not None:
                 q("INSERT INTO turn_keys (conversation_id, key, version, digest, reply_index, finish_reason, created) "
@@ -174,15 +180,20 @@ class SqlConversationStore(ABC):
                     lease_s: float, finish_reason: str | None = None) -> Conversation:
         """Store the reply; the conversation pauses with its KV held on `replica` until the
         lease ends. A turn whose claim ended stores its reply still, unless another turn
-        took over (a new version)."""
+        took over (a new version). A turn already finished with this reply (the first
+        call's answer was lost with a router replica) is returned as it is: a retried
+        finish never appends the reply twice."""
         def attempt(q: Query) -> Conversation:
             conv, revision = self._load_for_write(q, tenant, conversation_id)
             if conv.version != version:
                 raise ConversationBusy(f"conversation {conversation_id} moved on (version {conv.version})")
+            finished = conv.state != GENERATING and conv.claim_deadline is None  # no claim open or ended
+            if finished and conv.messages[-1:] == [{"role": "assistant", "content": reply}]:
+                return conv
             now = time.time()
             conv.messages.append({"role": "assistant", "content": reply})
             conv.state, conv.replica, conv.lease_deadline = PAUSED, replica, now + lease_s
-            conv.claim_holder = conv.claim_deadline = None
+            conv.claim_holder = conv.claim_deadline = conv.claim_token = None
             _save(q, conv, revision, now)
             q("UPDATE turn_keys SET reply_index = ?, finish_reason = ? WHERE conversation_id = ? AND version = ?",
               (len(conv.messages) - 1, finish_reason, conv.id, version))
@@ -219,7 +230,7 @@ class SqlConversationStore(ABC):
             conv.version -= 1
             # paused where a replica holds it (or as created, before any turn), else evicted
             conv.state = PAUSED if conv.replica is not None or conv.version == 0 else EVICTED
-            conv.claim_holder = conv.claim_deadline = None
+            conv.claim_holder = conv.claim_deadline = conv.claim_token = None
             _save(q, conv, revision, time.time())
             return True
 
@@ -358,7 +369,7 @@ def _load(q: Query, tenant: str, conversation_id: str) -> tuple[Conversation, in
 
 
 def _row(row: Sequence) -> tuple[Conversation, int]:
-    conv = Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6]), row[7], row[8])
+    conv = Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6]), row[7], row[8], row[10])
     return conv, row[9]
 
 
@@ -375,7 +386,8 @@ def _save(q: Query, conv: Conversation, revision: int, now: float) -> None:
     history = json.dumps(conv.messages)
     _update(q, conv.id, revision, version=conv.version, state=conv.state, replica=conv.replica,
             lease_deadline=conv.lease_deadline, messages=history, bytes=_size(history),
-            claim_holder=conv.claim_holder, claim_deadline=conv.claim_deadline, updated=now)
+            claim_holder=conv.claim_holder, claim_deadline=conv.claim_deadline, claim_token=conv.claim_token,
+            updated=now)
 
 
 def _release(q: Query, conv: Conversation, revision: int, claim_ended: bool = True, now: float | None = None) -> None:
@@ -383,7 +395,8 @@ def _release(q: Query, conv: Conversation, revision: int, claim_ended: bool = Tr
     (`claim_ended`) keeps its passed deadline: the mark that its holder's late renewal may
     take it back (`renew_turn`); an abandoned turn's claim is cleared. Expiry (no `now`)
     is not a use: it leaves the conversation's idle time running."""
-    columns: dict[str, object] = {"state": EVICTED, "replica": None, "lease_deadline": None, "claim_holder": None}
+    columns: dict[str, object] = {"state": EVICTED, "replica": None, "lease_deadline": None, "claim_holder": None,
+                                  "claim_token": None}
     if not claim_ended:
         columns["claim_deadline"] = None
     if now is not None:

@@ -53,6 +53,7 @@ class Conversation:
     messages: list[dict[str, str]] = field(default_factory=list)
     claim_holder: str | None = None
     claim_deadline: float | None = None
+    claim_token: str | None = None  # the request that made the claim: its retried begin_turn gets it back
     replayed: TurnOutcome | None = None  # set by begin_turn when its key names a finished turn
 
 
@@ -87,16 +88,21 @@ class ConversationRegistry(Protocol):
 
     def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict[str, str]], *,
                    holder: str | None = None, claim_s: float = ..., idempotency_key: str | None = None,
-                   limits: LimitArgs | None = None, now: float | None = None) -> Conversation:
+                   limits: LimitArgs | None = None, now: float | None = None,
+                   claim_token: str | None = None) -> Conversation:
         """Append the messages and claim the conversation for one turn (compare-and-set: of
-        two concurrent claims one wins, the other gets ConversationBusy)."""
+        two concurrent claims one wins, the other gets ConversationBusy). A call again with
+        the `claim_token` of the claim that holds the conversation gets that claim back
+        (its first answer was lost with a router replica), appending nothing."""
         ...
 
     def renew_turn(self, tenant: str, conversation_id: str, version: int, claim_s: float,
                    now: float | None = None) -> float: ...
 
     def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
-                    lease_s: float, finish_reason: str | None = None) -> Conversation: ...
+                    lease_s: float, finish_reason: str | None = None) -> Conversation:
+        """Store the turn's reply; the same call again (its first answer was lost) stores nothing."""
+        ...
 
     def abandon_turn(self, tenant: str, conversation_id: str, version: int | None = None) -> bool: ...
 

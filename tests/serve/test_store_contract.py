@@ -298,3 +298,20 @@ def test_health_says_reachable_with_a_latency_until_the_store_is_gone(open_same)
     store.close()
     gone = store.health()
     assert not gone.reachable and gone.latency_s is None and gone.error
+
+
+def test_a_claim_and_a_finish_repeated_after_their_answers_were_lost_change_nothing_twice(open_same):
+    """A router replica that died after the store took the call: the ingress calls again,
+    through another replica (conversation_turn._through_router)."""
+    store = open_same()
+    conv = store.create("a", HELLO)
+    store.begin_turn("a", conv.id, TOOL, claim_token="request-1")
+    again = open_same().begin_turn("a", conv.id, TOOL, claim_token="request-1")  # its own claim, back
+    assert (again.version, again.state, again.messages) == (1, GENERATING, HELLO + TOOL)
+    with pytest.raises(ConversationBusy):  # another request's claim is refused as ever
+        store.begin_turn("a", conv.id, TOOL, claim_token="request-2")
+    store.finish_turn("a", conv.id, 1, "the reply", "r1", 60)
+    repeated = open_same().finish_turn("a", conv.id, 1, "the reply", "r1", 60)
+    assert repeated.messages == HELLO + TOOL + [{"role": "assistant", "content": "the reply"}]
+    assert store.get("a", conv.id).messages == repeated.messages
+    assert store.begin_turn("a", conv.id, [], claim_token="request-1").version == 2  # a finished claim is gone
