@@ -1,5 +1,7 @@
 """The per-tenant concurrency cap through the running app: a second application on the
-session's Serve instance with a cap of 1 (plain decoding, so it starts fast)."""
+session's Serve instance with a cap of 1 (plain decoding, so it starts fast). A stream that
+must still hold its slot is held in the engine by the worker's step gate (`allow_steps`),
+not assumed slow."""
 
 from __future__ import annotations
 
@@ -57,30 +59,40 @@ def _until_admitted(body: dict, headers: dict, timeout: float = 60) -> requests.
 
 
 def test_second_concurrent_request_of_a_tenant_gets_429_and_the_first_completes(limited_app):
-    first = requests.post(f"{URL}/v1/chat/completions", json=LONG, headers=AUTH_A, stream=True, timeout=120)
-    assert first.status_code == 200
-    lines = first.iter_lines()
-    _first_event(lines)  # the first request is now streaming and holds tenant a's only slot
-    second = requests.post(f"{URL}/v1/chat/completions", json={**LONG, "stream": True}, headers=AUTH_A, timeout=60)
-    assert second.status_code == 429
-    error = second.json()["error"]
-    assert error["type"] == "rate_limit_error" and "per-tenant limit" in error["message"]
-    with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
-        stub = dlite_pb2_grpc.DLiteServiceStub(channel)
-        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=4)
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.Generate(req, metadata=GRPC_A, timeout=60))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        conv = stub.CreateConversation(dlite_pb2.CreateConversationRequest(
-            messages=[dlite_pb2.Message(**m) for m in MESSAGES]), metadata=GRPC_A, timeout=60)
-        with pytest.raises(grpc.RpcError) as err:
-            list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(conversation_id=conv.conversation_id, max_tokens=4),
-                                        metadata=GRPC_A, timeout=60))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        # refused before the turn was claimed: the conversation is untouched
-        stored = stub.GetConversation(dlite_pb2.GetConversationRequest(conversation_id=conv.conversation_id),
-                                      metadata=GRPC_A, timeout=60)
-        assert stored.version == 0 and len(stored.messages) == 1
+    from ray import serve
+
+    worker = serve.get_deployment_handle("TargetWorker", app_name="limited")
+    worker.allow_steps.remote(2).result()  # the engine holds after the first stream's first steps
+    try:
+        first = requests.post(f"{URL}/v1/chat/completions", json=LONG, headers=AUTH_A, stream=True, timeout=120)
+        assert first.status_code == 200
+        lines = first.iter_lines()
+        _first_event(lines)  # the first request is now streaming and holds tenant a's only slot
+        held = worker.stats.remote().result()
+        assert held.running + held.waiting == 1  # and stays unfinished until the gate opens
+        second = requests.post(f"{URL}/v1/chat/completions", json={**LONG, "stream": True}, headers=AUTH_A,
+                               timeout=60)
+        assert second.status_code == 429
+        error = second.json()["error"]
+        assert error["type"] == "rate_limit_error" and "per-tenant limit" in error["message"]
+        with grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}") as channel:
+            stub = dlite_pb2_grpc.DLiteServiceStub(channel)
+            req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in MESSAGES], max_tokens=4)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Generate(req, metadata=GRPC_A, timeout=60))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            conv = stub.CreateConversation(dlite_pb2.CreateConversationRequest(
+                messages=[dlite_pb2.Message(**m) for m in MESSAGES]), metadata=GRPC_A, timeout=60)
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.AppendAndGenerate(dlite_pb2.AppendRequest(conversation_id=conv.conversation_id,
+                                                                    max_tokens=4), metadata=GRPC_A, timeout=60))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # refused before the turn was claimed: the conversation is untouched
+            stored = stub.GetConversation(dlite_pb2.GetConversationRequest(conversation_id=conv.conversation_id),
+                                          metadata=GRPC_A, timeout=60)
+            assert stored.version == 0 and len(stored.messages) == 1
+    finally:
+        worker.allow_steps.remote(None).result()
     other_tenant = requests.post(f"{URL}/v1/chat/completions", json=SHORT, headers=AUTH_B, timeout=120)
     assert other_tenant.status_code == 200
     finish = None
