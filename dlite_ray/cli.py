@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     lt = sub.add_parser("loadtest", help="N concurrent clients (one-shot chats, tool loops) against the Serve app")
     lt.add_argument("--clients", type=int, default=4)
     lt.add_argument("--duration-s", type=float, default=60.0, help="start no new request after this")
+    lt.add_argument("--actions-per-client", type=int, default=None,
+                    help="fixed work instead of --duration-s: this many one-shot requests or tool loops per client")
     lt.add_argument("--max-tokens", type=int, default=32)
     lt.add_argument("--turns", type=int, default=3, help="assistant replies per tool loop")
     lt.add_argument("--one-shot-fraction", type=float, default=0.5)

@@ -42,12 +42,13 @@ REFERENCE_BATCH = 16
 
 
 def run_clients(cfg: LoadTestConfig) -> tuple[list[Record], list[LoopOutcome], float]:
-    """Run `cfg.clients` clients for `cfg.duration_s`; in-flight loops finish their turn."""
+    """Run `cfg.clients` clients for `cfg.duration_s` (in-flight loops finish their turn), or
+    for `cfg.actions_per_client` actions each, however long they take."""
     records: list[Record] = []  # list.append is atomic under the GIL: the clients share these
     loops: list[LoopOutcome] = []
     clients = [Client(i, cfg) for i in range(cfg.clients)]
     started = time.monotonic()
-    deadline = started + cfg.duration_s
+    deadline = started + cfg.duration_s if cfg.actions_per_client is None else float("inf")
     threads = [threading.Thread(target=c.run_until, args=(deadline, records, loops), name=f"loadtest-{i}")
                for i, c in enumerate(clients)]
     for t in threads:
@@ -158,6 +159,7 @@ def run(args) -> dict:
 
     cfg = LoadTestConfig(clients=args.clients, duration_s=args.duration_s, max_tokens=args.max_tokens,
                          turns=args.turns, one_shot_fraction=args.one_shot_fraction,
+                         actions_per_client=args.actions_per_client,
                          sampled_fraction=args.sampled_fraction, seed=args.seed,
                          api_keys=[k for k in (args.api_keys or "").split(",") if k])
     engine = DLiteEngine.from_pretrained(args.target, args.draft, dtype=args.dtype, adaptive_draft_length=False)

@@ -1,5 +1,5 @@
-"""One load-test client: a simulated user of a dlite-ray app that, until its deadline,
-sends one-shot chats (HTTP chat/completions or gRPC Generate) or runs multi-turn tool
+"""One load-test client: a simulated user of a dlite-ray app that, until its deadline (or
+for a fixed number of actions), sends one-shot chats (HTTP chat/completions or gRPC Generate) or runs multi-turn tool
 loops through the conversation API, recording every request and checking that each
 conversation's stored history is what it sent and received."""
 
@@ -22,6 +22,9 @@ SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # the unverified share of one-sho
 class LoadTestConfig:
     clients: int = 4
     duration_s: float = 30.0
+    # fixed work instead of a duration: each client makes this many actions (a one-shot
+    # request or a whole tool loop), however long they take; None: until duration_s
+    actions_per_client: int | None = None
     max_tokens: int = 32
     turns: int = 3  # assistant replies per tool loop
     one_shot_fraction: float = 0.5
@@ -101,8 +104,10 @@ class Client:
         self.stub = dlite_pb2_grpc.DLiteServiceStub(self.channel)
 
     def run_until(self, deadline: float, records: list[Record], loops: list[LoopOutcome]) -> None:
+        actions = 0
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() < deadline and actions != self.cfg.actions_per_client:
+                actions += 1
                 if self.rng.random() < self.cfg.one_shot_fraction:
                     records.append(self.one_shot())
                 else:

@@ -1,5 +1,5 @@
-"""`dlite-ray loadtest` for a few seconds against the session's app (tiny model), and its
-checks shown able to fail. It lives here, not in tests/bench, because it needs the one
+"""`dlite-ray loadtest` with a fixed amount of work against the session's app (tiny model),
+and its checks shown able to fail. It lives here, not in tests/bench, because it needs the one
 Ray + Serve instance this folder's conftest starts per session."""
 
 from __future__ import annotations
@@ -25,12 +25,20 @@ def library(tiny_serving_model):
 
 
 def test_a_short_loadtest_loses_nothing_and_matches_the_library(serve_app, library, tmp_path):
-    cfg = LoadTestConfig(clients=3, duration_s=4, **CONFIG)
+    """Fixed work, not a duration: 3 clients x 4 actions, every one of them accounted for
+    however fast the machine (the clients' choices follow their seeds, not the clock)."""
+    cfg = LoadTestConfig(clients=3, actions_per_client=4, **CONFIG)
     report = run_loadtest(cfg, library, tmp_path / "loadtest.json")
-    assert report["requests_ok"] > 0 and report["errors"] == {}, report["error_examples"]
-    assert report["conversations"] > 0 and report["conversation_turns"] > 0
+    assert report["errors"] == {}, report["error_examples"]
+    kinds = report["requests_by_kind"]
+    one_shots, loops = kinds.get("chat-http", 0) + kinds.get("chat-grpc", 0), report["conversations"]
+    assert one_shots + loops == 3 * 4 and one_shots > 0 and loops > 0, kinds
+    assert report["conversation_turns"] == kinds["turn"] == loops * CONFIG["turns"]  # every loop ran every turn
+    assert report["requests_ok"] == report["requests"] == one_shots + kinds["turn"]
     assert report["lost_conversations"] == 0, report["lost_details"]
-    assert report["greedy"]["checked"] > 0 and report["greedy"]["mismatches"] == 0, report["greedy"]
+    # every turn is greedy and checked; a one-shot is unless sent sampled (sampled_fraction)
+    assert kinds["turn"] <= report["greedy"]["checked"] <= report["requests_ok"], report["greedy"]
+    assert report["greedy"]["mismatches"] == 0, report["greedy"]
     assert report["latency_s"]["p50"] > 0 and report["tokens_per_second"] > 0
     assert json.loads((tmp_path / "loadtest.json").read_text())["requests"] == report["requests"]
     assert "key-a" not in (tmp_path / "loadtest.json").read_text()  # keys never written out
