@@ -8,8 +8,7 @@ from pathlib import Path
 from typing import cast
 
 from dlite_ray.constants import DEFAULT_REPLY_CACHE_NAMESPACES
-from dlite_ray.engine.block_manager import BlockManager, OutOfBlocks
-from dlite_ray.engine.boundary_store import BoundaryStore
+from dlite_ray.engine.block_manager import OutOfBlocks
 from dlite_ray.engine.context_lookup import ContextLookup
 from dlite_ray.engine.draft_transport import DraftTransport
 from dlite_ray.engine.engine_config import DTYPES, EngineConfig, normed_last_tap, tap_layers, verify_lengths
@@ -85,12 +84,11 @@ class DLiteEngine:
         lookup = ContextLookup(lookup_tokens, alternatives=bool(tree_tokens))
         self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, lookup, self.reply_cache, tree_tokens,
                                    self.corpus)
-        blocks = BlockManager(self.runner.num_blocks, self.runner.block_size, cfg.enable_prefix_cache)
         reuse = KVReuse(target.fingerprint(), draft.info.fingerprint if draft else "none",
                         resume_boundaries=draft is not None, recompute_pivot=draft is not None and bool(taps))
-        boundaries = BoundaryStore(blocks, cfg.boundary_capacity) if cfg.enable_prefix_cache else None
         lookahead = max(k, lookup_tokens) + 1 + tree_tokens  # a row's anchor, main proposal and branches
-        self.scheduler = Scheduler(cfg.scheduler, blocks, lookahead, boundaries, reuse)
+        self.scheduler = Scheduler(cfg.scheduler, self.runner.num_blocks, self.runner.block_size, lookahead, reuse,
+                                   prefix_cache=cfg.enable_prefix_cache, boundary_capacity=cfg.boundary_capacity)
         self._grammar_tok: GrammarTokenizer | None = None
 
     @classmethod

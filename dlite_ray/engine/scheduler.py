@@ -1,6 +1,6 @@
 """Scheduler: a request's whole life in the engine, and the only owner of its KV.
 
-Plain Python, no tensors. It holds the BlockManager and the BoundaryStore and is the only
+Plain Python, no tensors. It builds and holds the BlockManager and the BoundaryStore and is the only
 caller of their allocation, reuse and release: admission (a stored boundary, else the
 prefix cache), waiting / running queues with chunked prefill, KV reserved when a row is
 scheduled (so one step's admissions never overcommit the pool), preemption by
@@ -68,12 +68,14 @@ class Schedule:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, blocks: BlockManager, lookahead: int,
-                 boundaries: BoundaryStore | None = None, reuse: KVReuse | None = None):
-        """blocks / boundaries: the KV pool and the stored boundaries on it, from now on
-        used through this scheduler only; lookahead: positions a decode row may write."""
-        self.cfg, self.blocks, self.lookahead = cfg, blocks, lookahead
-        self.boundaries = boundaries
+    def __init__(self, cfg: SchedulerConfig, num_blocks: int, block_size: int, lookahead: int,
+                 reuse: KVReuse | None = None, *, prefix_cache: bool, boundary_capacity: int):
+        """Builds the KV pool's BlockManager (num_blocks of block_size positions, the model
+        runner's cache) and, with the prefix cache, the BoundaryStore on it: used through this
+        scheduler only. lookahead: positions a decode row may write."""
+        self.cfg, self.lookahead = cfg, lookahead
+        self.blocks = BlockManager(num_blocks, block_size, prefix_cache)
+        self.boundaries = BoundaryStore(self.blocks, boundary_capacity) if prefix_cache else None
         self.reuse = reuse or KVReuse()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
