@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dlite_ray.engine.block_manager import BlockManager
 from dlite_ray.engine.scheduler import Scheduler, SchedulerConfig
 from dlite_ray.engine.sequence import SamplingParams, Sequence, Status
 
@@ -11,6 +10,11 @@ def seq(n: int) -> Sequence:
     # one new token: the scheduler refuses a request that could never fit the pool; these
     # tests decode past it, as the engine would with a longer budget and a larger pool
     return Sequence(list(range(1, n + 1)), SamplingParams(max_new_tokens=1))
+
+
+def _scheduler(cfg: SchedulerConfig, num_blocks: int, lookahead: int) -> Scheduler:
+    """A pool of `num_blocks` blocks of 4 positions, prefix cache on, no boundaries kept."""
+    return Scheduler(cfg, num_blocks, 4, lookahead, prefix_cache=True, boundary_capacity=0)
 
 
 def run_schedule(sched: Scheduler):
@@ -27,7 +31,7 @@ def run_schedule(sched: Scheduler):
 
 
 def test_chunked_prefill_within_the_token_budget():
-    sched = Scheduler(SchedulerConfig(max_batch_tokens=10), BlockManager(64, 4), lookahead=4)
+    sched = _scheduler(SchedulerConfig(max_batch_tokens=10), 64, lookahead=4)
     a, b = seq(25), seq(5)
     sched.add(a)
     sched.add(b)
@@ -42,7 +46,7 @@ def test_chunked_prefill_within_the_token_budget():
 
 
 def test_admission_waits_for_free_blocks():
-    sched = Scheduler(SchedulerConfig(max_batch_tokens=100), BlockManager(4, 4), lookahead=2)
+    sched = _scheduler(SchedulerConfig(max_batch_tokens=100), 4, lookahead=2)
     a, b = seq(13), seq(8)
     sched.add(a)
     sched.add(b)
@@ -52,8 +56,7 @@ def test_admission_waits_for_free_blocks():
 
 
 def test_preemption_by_recompute_frees_the_newest():
-    bm = BlockManager(4, 4)
-    sched = Scheduler(SchedulerConfig(max_batch_tokens=100), bm, lookahead=4)
+    sched = _scheduler(SchedulerConfig(max_batch_tokens=100), 4, lookahead=4)
     a, b = seq(5), seq(5)
     sched.add(a)
     sched.add(b)
@@ -68,7 +71,7 @@ def test_preemption_by_recompute_frees_the_newest():
 
 
 def test_abort_removes_a_waiting_or_running_request():
-    sched = Scheduler(SchedulerConfig(), BlockManager(16, 4), lookahead=2)
+    sched = _scheduler(SchedulerConfig(), 16, lookahead=2)
     a, b = seq(5), seq(5)
     sched.add(a)
     sched.add(b)
@@ -81,7 +84,7 @@ def test_abort_removes_a_waiting_or_running_request():
 def test_decode_rows_hold_their_anchor_of_the_budget_and_verify_what_prefill_leaves():
     """A decode row reserves KV for its whole lookahead, but only its anchor counts against the
     step's token budget: prefill chunks come first, and the rows share what is left."""
-    sched = Scheduler(SchedulerConfig(max_batch_tokens=12), BlockManager(64, 4), lookahead=8)
+    sched = _scheduler(SchedulerConfig(max_batch_tokens=12), 64, lookahead=8)
     a, b = seq(3), seq(30)
     sched.add(a)
     run_schedule(sched)  # a's prefill
