@@ -29,6 +29,7 @@ KEYS = {"tenant-a": "key-a"}
 AUTH = {"authorization": "Bearer key-a"}
 AGENTS, TURNS = 20, 3
 LOST_CALLS = 6  # calls in flight on the dying replica: the odd ones had reached the store
+DOWN_FAILURES = 5  # router calls that meet the stopped database before it starts again
 CLIENT_ATTEMPTS = 400  # a client's tries of one turn before the test calls it stuck (a hang guard)
 
 
@@ -168,7 +169,9 @@ def test_agent_loops_survive_a_dead_router_replica_and_a_database_restart(tmp_pa
         replicas.kill(0)
         await progress(AGENTS * TURNS // 2, agents)
         postgres.stop()  # on the event loop: no turn moves on until the server is gone
-        await asyncio.to_thread(postgres.start)  # the turns in flight meet a store that is not there
+        while replicas.store_unavailable < DOWN_FAILURES and not all(a.done() for a in agents):
+            await asyncio.sleep(0.01)  # down until turns in flight have met it
+        await asyncio.to_thread(postgres.start)
         return await asyncio.gather(*agents)
 
     results = asyncio.run(main())
