@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from dlite_ray.engine.sequence import InvalidRequest
@@ -129,6 +128,19 @@ def checked(grammar: str, what: str) -> str:
     return grammar
 
 
+def _token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """[rows, ceil(V / 32)] int32, every bit set: llguidance's mask layout. llguidance.torch's
+    own helpers are not imported: that module runs a torch.compile decorator on import, which
+    loads torch._dynamo and torch._inductor (~3-5 s of every process start, every replica's)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+
+
+def _fill_bitmask(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, row: int) -> None:
+    """Row `row` of `bitmask` (on the host, contiguous): what the matcher allows next."""
+    v = bitmask[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
+
+
 class GrammarTokenizer:
     """The tokenizer as llguidance reads it (built once per engine: ~0.4 s for 49K tokens)."""
 
@@ -167,8 +179,8 @@ class OutputGrammar:
         probe = self.matcher.deep_copy()
         if probe.is_stopped():
             return None
-        bitmask = llguidance.torch.allocate_token_bitmask(1, self.vocab_size)
-        llguidance.torch.fill_next_token_bitmask(probe, bitmask, 0)
+        bitmask = _token_bitmask(1, self.vocab_size)
+        _fill_bitmask(probe, bitmask, 0)
         allowed = unpack_bitmask(bitmask[0], self.vocab_size)
         allowed[list(self.eos_ids)] = False
         first = allowed.nonzero().flatten()[:1].tolist()
@@ -181,9 +193,9 @@ class OutputGrammar:
         m stops after the first proposed token the grammar refuses (later rows are never read);
         once the grammar has stopped (complete, or failed), it takes no more tokens, so every
         later row is masked as the last one, as plain decoding would mask it."""
-        bitmask = llguidance.torch.allocate_token_bitmask(len(proposed) + 1, self.vocab_size)
+        bitmask = _token_bitmask(len(proposed) + 1, self.vocab_size)
         before = self.matcher.deep_copy()  # a try that fails leaves the matcher failed for good
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, 0)
+        _fill_bitmask(self.matcher, bitmask, 0)
         filled = 0
         for tok in proposed:
             if self.matcher.is_stopped():
@@ -191,7 +203,7 @@ class OutputGrammar:
             if not self.matcher.try_consume_tokens([tok]) and not self.matcher.is_error():
                 break  # refused: verification rejects it
             filled += 1  # taken, or failed on it (a parser limit): the next row reads that state
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, filled)
+            _fill_bitmask(self.matcher, bitmask, filled)
         rows = filled + 1
         if self.matcher.is_stopped():
             bitmask[rows:] = bitmask[filled]

@@ -262,3 +262,16 @@ def test_the_default_model_answers_in_the_schema_with_and_without_the_draft():
     assert got.finish_reason == "stop"
     reply = json.loads(got.text)
     assert isinstance(reply["city"], str) and isinstance(reply["days"], int)
+
+
+def test_serving_imports_leave_torch_compile_unloaded():
+    """A replica, the draft actor and the CLI start without torch._dynamo / torch._inductor
+    (seconds of every process start: llguidance.torch runs a torch.compile decorator on
+    import, so structured output builds its masks itself)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, dlite_ray.serve.app, dlite_ray.serve.draft_worker, dlite_ray.cli; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
