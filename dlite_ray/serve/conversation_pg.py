@@ -35,7 +35,8 @@ import psycopg
 from psycopg import errors as pg_errors
 
 from dlite_ray.serve.errors import StoreUnavailable
-from dlite_ray.serve.sql_store import Query, Rows, SqlConversationStore, WriteConflict
+from dlite_ray.serve.sql_rows import Query, Rows, WriteConflict
+from dlite_ray.serve.sql_store import SqlConversationStore
 from dlite_ray.serve.store_contract import TenantQuota
 from dlite_ray.serve.store_url import redacted
 

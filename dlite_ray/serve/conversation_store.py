@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dlite_ray.serve.conversation_db import open_db
-from dlite_ray.serve.sql_store import Query, SqlConversationStore
+from dlite_ray.serve.sql_rows import Query
+from dlite_ray.serve.sql_store import SqlConversationStore
 from dlite_ray.serve.store_contract import (
     CLOSED,
     EVICTED,

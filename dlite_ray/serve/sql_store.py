@@ -2,12 +2,11 @@
 shared by the SQLite and PostgreSQL backends, which differ only in how they connect and
 open a transaction (and PostgreSQL's per-tenant lock, below).
 
-Every write of a conversation row is a compare-and-set on its `revision`, a counter that
-every write bumps: `UPDATE ... WHERE id = ? AND revision = ?`. A write that finds the row
-changed since it read it (another router replica claimed the turn first) changed nothing;
-its operation is run again from the read, which now sees the other's write (a claim then
-answers ConversationBusy). The turn `version` alone could not serve: a refused turn takes
-it back, and renewals, expiry and a finished turn's reply keep it.
+Every write of a conversation row is a compare-and-set on its `revision` (sql_rows): a
+write that finds the row changed since it read it (another router replica claimed the turn
+first) changes nothing, and its operation runs again from the read, which now sees the
+other's write (a claim then answers ConversationBusy). The turn `version` alone could not
+serve: a refused turn takes it back, and renewals, expiry and a finished turn's reply keep it.
 
 A turn's claim, its idempotency key and the history it appends change in one transaction,
 and a tenant's quota is checked in the transaction of the write it guards: a write that
@@ -23,13 +22,27 @@ import json
 import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, TypeVar
+from typing import TypeVar
 
 from dlite_ray.serve.config import LimitArgs
-from dlite_ray.serve.errors import BadRequest, ConversationBusy, ConversationNotFound, QuotaExceeded
+from dlite_ray.serve.errors import BadRequest, ConversationBusy, QuotaExceeded
 from dlite_ray.serve.request_limits import check_prompt_chars
+from dlite_ray.serve.sql_rows import (
+    COLUMNS,
+    Query,
+    WriteConflict,
+    delete_row,
+    history_size,
+    parse_row,
+    read_row,
+    release_row,
+    set_columns,
+    try_release_row,
+    turn_key,
+    write_row,
+)
 from dlite_ray.serve.store_contract import (
     CLOSED,
     EVICTED,
@@ -40,32 +53,10 @@ from dlite_ray.serve.store_contract import (
     TenantQuota,
     TurnOutcome,
 )
-from dlite_ray.serve.turn_claims import MAX_IDEMPOTENCY_KEY_CHARS, UNRENEWED_CLAIM_S
+from dlite_ray.serve.turn_claims import UNRENEWED_CLAIM_S
 
 T = TypeVar("T")
 CAS_ATTEMPTS = 16  # reads-then-writes of one operation before it gives up (ConversationBusy)
-_COLUMNS = ("id, tenant, version, state, replica, lease_deadline, messages, claim_holder, claim_deadline, revision, "
-            "claim_token")
-
-
-class Rows(Protocol):
-    @property
-    def rowcount(self) -> int: ...
-
-    def fetchone(self) -> Any: ...
-
-    def fetchall(self) -> list[Any]: ...
-
-
-Query = Callable[..., Rows]
-"""`q(sql, params=())`: one statement inside the open transaction; `?` placeholders."""
-
-
-class WriteConflict(Exception):
-    """A compare-and-set found the row changed since it was read (or the database aborted the
-    transaction for a conflict): the operation runs again from its read."""
-
-
 class SqlConversationStore(ABC):
     """The contract (`store_contract.ConversationRegistry`) over SQL; subclasses connect."""
 
@@ -94,16 +85,16 @@ class SqlConversationStore(ABC):
         """A new conversation of `tenant`; QuotaExceeded where it would pass the tenant's caps."""
         conv = Conversation(secrets.token_urlsafe(18), tenant, 0, PAUSED, None, None, list(messages))
         history = json.dumps(conv.messages)
-        now = time.time()
+        size, now = history_size(history), time.time()
         with self._transaction() as q:
-            self._check_quota(q, tenant, _size(history), new_conversation=True)
+            self._check_quota(q, tenant, size, new_conversation=True)
             q("INSERT INTO conversations (id, tenant, version, state, messages, bytes, created, updated, revision) "
-              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)", (conv.id, tenant, 0, PAUSED, history, _size(history), now, now))
+              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, 0)", (conv.id, tenant, 0, PAUSED, history, size, now, now))
         return conv
 
     def get(self, tenant: str, conversation_id: str) -> Conversation:
         with self._transaction(write=False) as q:
-            return _load(q, tenant, conversation_id)[0]
+            return read_row(q, tenant, conversation_id)[0]
 
     def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict[str, str]], *,
                    holder: str | None = None, claim_s: float = UNRENEWED_CLAIM_S,
@@ -126,7 +117,7 @@ class SqlConversationStore(ABC):
             conv, revision = self._load_for_write(q, tenant, conversation_id)
             if claim_token is not None and conv.state == GENERATING and conv.claim_token == claim_token:
                 return conv
-            key = _turn_key(q, conv.id, idempotency_key)
+            key = turn_key(q, conv.id, idempotency_key)
             if key is not None:
                 version, key_digest, reply_index, finish_reason = key
                 if key_digest != digest:
@@ -141,13 +132,13 @@ class SqlConversationStore(ABC):
             else:
                 _check_claimable(conv, now)
                 _check_history(conv.messages + messages, limits)
-                grown = _size(json.dumps(conv.messages + messages)) - _size(json.dumps(conv.messages))
+                grown = history_size(json.dumps(conv.messages + messages)) - history_size(json.dumps(conv.messages))
                 self._check_quota(q, tenant, grown)
                 conv.messages += messages
             conv.version += 1
             conv.state, conv.claim_holder, conv.claim_deadline = GENERATING, holder, now + claim_s
             conv.claim_token = claim_token
-            _save(q, conv, revision, now)
+            write_row(q, conv, revision, now)
             if idempotency_key is not None:
                 q("INSERT INTO turn_keys (conversation_id, key, version, digest, reply_index, finish_reason, created) "
                   "VALUES (?, ?, ?, ?, NULL, NULL, ?) ON CONFLICT (conversation_id, key) DO UPDATE SET "
@@ -167,11 +158,11 @@ class SqlConversationStore(ABC):
         now = time.time() if now is None else now
 
         def attempt(q: Query) -> float:
-            conv, revision = _load(q, tenant, conversation_id)
+            conv, revision = read_row(q, tenant, conversation_id)
             ended_claim = conv.state == EVICTED and conv.claim_deadline is not None
             if conv.version != version or not (conv.state == GENERATING or ended_claim):
                 raise ConversationBusy(f"turn {version} of {conversation_id} no longer holds it")
-            _update(q, conv.id, revision, state=GENERATING, claim_deadline=now + claim_s, updated=now)
+            set_columns(q, conv.id, revision, state=GENERATING, claim_deadline=now + claim_s, updated=now)
             return now + claim_s
 
         return self._retrying(attempt)
@@ -194,7 +185,7 @@ class SqlConversationStore(ABC):
             conv.messages.append({"role": "assistant", "content": reply})
             conv.state, conv.replica, conv.lease_deadline = PAUSED, replica, now + lease_s
             conv.claim_holder = conv.claim_deadline = conv.claim_token = None
-            _save(q, conv, revision, now)
+            write_row(q, conv, revision, now)
             q("UPDATE turn_keys SET reply_index = ?, finish_reason = ? WHERE conversation_id = ? AND version = ?",
               (len(conv.messages) - 1, finish_reason, conv.id, version))
             return conv
@@ -206,10 +197,10 @@ class SqlConversationStore(ABC):
         does not. With `version`, only that turn is abandoned (a turn that lost its claim
         leaves its successor alone). Whether anything changed."""
         def attempt(q: Query) -> bool:
-            conv, revision = _load(q, tenant, conversation_id)
+            conv, revision = read_row(q, tenant, conversation_id)
             if version is not None and (conv.version != version or conv.state != GENERATING):
                 return False
-            _release(q, conv, revision, claim_ended=False, now=time.time())
+            release_row(q, conv, revision, claim_ended=False, now=time.time())
             return True
 
         return self._retrying(attempt)
@@ -231,15 +222,15 @@ class SqlConversationStore(ABC):
             # paused where a replica holds it (or as created, before any turn), else evicted
             conv.state = PAUSED if conv.replica is not None or conv.version == 0 else EVICTED
             conv.claim_holder = conv.claim_deadline = conv.claim_token = None
-            _save(q, conv, revision, time.time())
+            write_row(q, conv, revision, time.time())
             return True
 
         return self._retrying(attempt)
 
     def delete(self, tenant: str, conversation_id: str) -> Conversation:
         def attempt(q: Query) -> Conversation:
-            conv, revision = _load(q, tenant, conversation_id)
-            if not _delete_row(q, conv, revision):
+            conv, revision = read_row(q, tenant, conversation_id)
+            if not delete_row(q, conv, revision):
                 raise WriteConflict(conv.id)
             conv.state = CLOSED
             return conv
@@ -251,19 +242,19 @@ class SqlConversationStore(ABC):
         them generating) are deleted with their idempotency keys, and returned as they
         were (the caller tells a replica that still pins one to let go)."""
         now = time.time() if now is None else now
-        return self._each_where("state != ? AND updated < ?", (GENERATING, now - idle_s), _delete_row)
+        return self._each_where("state != ? AND updated < ?", (GENERATING, now - idle_s), delete_row)
 
     def expire(self, now: float | None = None) -> list[Conversation]:
         """Paused conversations whose lease ended: marked evicted (their history stays).
         Returned as they were, so the caller can tell each holding replica to release."""
         now = time.time() if now is None else now
-        return self._each_where("state = ? AND lease_deadline < ?", (PAUSED, now), _released)
+        return self._each_where("state = ? AND lease_deadline < ?", (PAUSED, now), try_release_row)
 
     def expire_claims(self, now: float | None = None) -> list[Conversation]:
         """Turns whose claim deadline passed: their conversations return to use (evicted,
         history kept). Returned as they were, so the caller can release their KV holds."""
         now = time.time() if now is None else now
-        return self._each_where("state = ? AND claim_deadline < ?", (GENERATING, now), _released)
+        return self._each_where("state = ? AND claim_deadline < ?", (GENERATING, now), try_release_row)
 
     def claim_holders(self) -> set[str]:
         """Holders of the turns being generated."""
@@ -274,7 +265,7 @@ class SqlConversationStore(ABC):
 
     def release_holder(self, holder: str) -> list[Conversation]:
         """`holder` is gone: its turns end now (evicted, history kept), returned as they were."""
-        return self._each_where("state = ? AND claim_holder = ?", (GENERATING, holder), _released)
+        return self._each_where("state = ? AND claim_holder = ?", (GENERATING, holder), try_release_row)
 
     def evict_replica(self, replica: str) -> int:
         """A replica drained or died: what it held must be re-prefilled elsewhere."""
@@ -324,19 +315,19 @@ class SqlConversationStore(ABC):
 
     def _load_for_write(self, q: Query, tenant: str, conversation_id: str) -> tuple[Conversation, int]:
         """The row and its revision, read to be written back by a compare-and-set (a test's hook)."""
-        return _load(q, tenant, conversation_id)
+        return read_row(q, tenant, conversation_id)
 
     def _each_where(self, where: str, params: tuple, write: Callable[[Query, Conversation, int], bool],
                     ) -> list[Conversation]:
         """`write` each row matching `where`, by compare-and-set: a row another writer changed
         since the read is left to the next round. The rows written, as they were."""
         def attempt(q: Query) -> list[Conversation]:
-            rows = q(f"SELECT {_COLUMNS} FROM conversations WHERE {where}", params).fetchall()
+            rows = q(f"SELECT {COLUMNS} FROM conversations WHERE {where}", params).fetchall()
             done = []
             for row in rows:
-                conv, revision = _row(row)
+                conv, revision = parse_row(row)
                 if write(q, conv, revision):
-                    done.append(_row(row)[0])
+                    done.append(parse_row(row)[0])
             return done
 
         return self._retrying(attempt)
@@ -361,73 +352,6 @@ class SqlConversationStore(ABC):
                                 f"some to add more")
 
 
-def _load(q: Query, tenant: str, conversation_id: str) -> tuple[Conversation, int]:
-    row = q(f"SELECT {_COLUMNS} FROM conversations WHERE id = ?", (conversation_id,)).fetchone()
-    if row is None or row[1] != tenant:  # another tenant's conversation does not exist for you
-        raise ConversationNotFound(f"no conversation {conversation_id!r}")
-    return _row(row)
-
-
-def _row(row: Sequence) -> tuple[Conversation, int]:
-    conv = Conversation(row[0], row[1], row[2], row[3], row[4], row[5], json.loads(row[6]), row[7], row[8], row[10])
-    return conv, row[9]
-
-
-def _update(q: Query, conversation_id: str, revision: int, **columns: object) -> None:
-    """Set `columns` of the row if it is still at `revision` (bumping it), else WriteConflict."""
-    assigned = ", ".join(f"{name} = ?" for name in columns)
-    cur = q(f"UPDATE conversations SET {assigned}, revision = revision + 1 WHERE id = ? AND revision = ?",
-            (*columns.values(), conversation_id, revision))
-    if cur.rowcount != 1:
-        raise WriteConflict(conversation_id)
-
-
-def _save(q: Query, conv: Conversation, revision: int, now: float) -> None:
-    history = json.dumps(conv.messages)
-    _update(q, conv.id, revision, version=conv.version, state=conv.state, replica=conv.replica,
-            lease_deadline=conv.lease_deadline, messages=history, bytes=_size(history),
-            claim_holder=conv.claim_holder, claim_deadline=conv.claim_deadline, claim_token=conv.claim_token,
-            updated=now)
-
-
-def _release(q: Query, conv: Conversation, revision: int, claim_ended: bool = True, now: float | None = None) -> None:
-    """Evicted, history kept. A turn claim that ended by its deadline or its holder's loss
-    (`claim_ended`) keeps its passed deadline: the mark that its holder's late renewal may
-    take it back (`renew_turn`); an abandoned turn's claim is cleared. Expiry (no `now`)
-    is not a use: it leaves the conversation's idle time running."""
-    columns: dict[str, object] = {"state": EVICTED, "replica": None, "lease_deadline": None, "claim_holder": None,
-                                  "claim_token": None}
-    if not claim_ended:
-        columns["claim_deadline"] = None
-    if now is not None:
-        columns["updated"] = now
-    _update(q, conv.id, revision, **columns)
-
-
-def _released(q: Query, conv: Conversation, revision: int) -> bool:
-    try:
-        _release(q, conv, revision)
-    except WriteConflict:
-        return False
-    return True
-
-
-def _delete_row(q: Query, conv: Conversation, revision: int) -> bool:
-    if q("DELETE FROM conversations WHERE id = ? AND revision = ?", (conv.id, revision)).rowcount != 1:
-        return False
-    q("DELETE FROM turn_keys WHERE conversation_id = ?", (conv.id,))
-    return True
-
-
-def _turn_key(q: Query, conversation_id: str, key: str | None) -> tuple | None:
-    if key is None:
-        return None
-    if not 0 < len(key) <= MAX_IDEMPOTENCY_KEY_CHARS:
-        raise BadRequest(f"an idempotency key has 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters")
-    return q("SELECT version, digest, reply_index, finish_reason FROM turn_keys WHERE conversation_id = ? AND key = ?",
-             (conversation_id, key)).fetchone()
-
-
 def _check_claimable(conv: Conversation, now: float) -> None:
     if conv.state == GENERATING and (conv.claim_deadline is None or conv.claim_deadline > now):
         raise ConversationBusy(f"conversation {conv.id} is already generating")
@@ -436,11 +360,6 @@ def _check_claimable(conv: Conversation, now: float) -> None:
 def _check_history(messages: list[dict[str, str]], limits: LimitArgs | None) -> None:
     if limits is not None:
         check_prompt_chars(messages, limits, "the conversation's history and this turn's messages")
-
-
-def _size(history: str) -> int:
-    """A stored history's bytes, as the quota counts them (SQLite's length(CAST(messages AS BLOB)))."""
-    return len(history.encode())
 
 
 def _digest(messages: list[dict[str, str]]) -> str:
