@@ -9,7 +9,7 @@ Layouts (`PRAGMA user_version`):
        its quota; indexed by tenant
   3  + conversations.updated: when a turn last touched it (the retention's idle time; an
        older file's conversations count from the migration)
-     + conversations.revision: bumped by every write, the compare-and-set's (sql_store)
+     + conversations.revision: bumped by every write, the compare-and-set's (sql_rows)
      + conversations.claim_token: the request that holds the turn (its retried claim gets it back)
 """
 
