@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -190,6 +191,13 @@ def _turn(conv: Conv, new: list[dict]) -> dict:
     return reply
 
 
+def _turn_noting_holder(conv: Conv) -> str | None:
+    """A turn with a tool result; the holder the registry named just before it."""
+    holder = requests.get(f"{BASE}/v1/conversations/{conv.id}", headers=AUTH_A, timeout=30).json()["replica"]
+    _turn(conv, [TOOL])
+    return holder
+
+
 def _check_reply(library, conv: Conv) -> None:
     """The last reply is what the library answers to the history before it (T = 0)."""
     expected = library.generate(conv.history[:-1], max_new_tokens=NEW)[0].text
@@ -262,20 +270,34 @@ def _scenario(args, library, timeline: Timeline) -> None:
     (left,) = _wait_for_replicas(1, timeline, "idle")
     gone = ({first_replica, new_replica} - {left}).pop()
     conversations = paused + placed
+    moved = [c for c in conversations if c.replicas[-1] == gone]
+    stayed = [c for c in conversations if c.replicas[-1] != gone]
+    assert moved and stayed  # both replicas held paused conversations
     # Every conversation takes one more turn on the replica left. Those whose replica went away
-    # re-prefill their history there (nothing of it can be cached: no request that replica
-    # served began with their first message) and answer as an uninterrupted run would.
-    for conv in conversations:
-        moved = conv.replicas[-1] == gone
-        _turn(conv, [TOOL])
+    # go first, at once: sent before the ConversationRouter's sweep (every 5 s) has seen the
+    # replica gone (most runs; the log says), their registry still names it as the holder
+    # (route_to), and the affinity router must pass them to the replica left. They re-prefill their history there (nothing
+    # of it can be cached: no request that replica served began with their first message) and
+    # answer as an uninterrupted run would.
+    with ThreadPoolExecutor(len(moved)) as pool:
+        holders = list(pool.map(_turn_noting_holder, moved))
+    timeline.event(f"{len(moved)} conversations of the replica scaled away took their next turn; the "
+                   f"registry named the gone replica as holder for {holders.count(gone)}, none for "
+                   f"{holders.count(None)}")
+    for conv in moved:
         assert conv.replicas[-1] == left
         _check_reply(library, conv)
-        if moved:
-            assert conv.cached[-1] < len(library.encode(conv.history[:1])), conv.cached
-        else:
-            assert conv.cached[-1] > 0
-    timeline.event(f"every conversation took its next turn on the replica left "
-                   f"({sum(c.replicas[-2] == gone for c in conversations)} had been on the one scaled away)")
+        assert conv.cached[-1] < len(library.encode(conv.history[:1])), conv.cached
+    for conv in stayed:
+        _turn(conv, [TOOL])
+        assert conv.replicas[-1] == left
+        assert conv.cached[-1] > 0
+        _check_reply(library, conv)
+    timeline.event("every conversation took its next turn on the replica left")
+    names = {first_replica: "first", new_replica: "new"}
+    for conv in conversations:
+        log.info("conversation %s: replicas %s, cached prompt tokens %s", conv.id[:6],
+                 [names[r] for r in conv.replicas], conv.cached)
 
     # Nothing stuck or lost: each stored history is what its client saw, paused on the replica
     # that gave its last reply.
