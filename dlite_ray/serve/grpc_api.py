@@ -16,6 +16,7 @@ from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.proto_convert import proto_chunk, proto_conversation
 from dlite_ray.serve.request_limits import check_grpc_request, idempotency_key
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
+from dlite_ray.serve.store_probe import with_store
 from dlite_ray.serve.worker_probe import health
 
 
@@ -40,8 +41,10 @@ class GrpcMethods(IngressState):
                 yield self._grpc_error(grpc_context, exc)
 
     async def GetStats(self, request: dlite_pb2.GetStatsRequest, grpc_context=None):
-        """Without a key, liveness only (as /healthz); with one that may read operational
-        figures (ops_tenants), the worker's and the ingress's figures too."""
+        """Without a key, liveness only (as /healthz: degraded when the conversation store does
+        not answer); with one that may read operational figures (ops_tenants), the worker's,
+        the ingress's and the store's (`store_contract.StoreHealth`, null when the router did
+        not answer) figures too."""
         try:
             check_grpc_request(request, self.args.limits)
             authorization = _metadata(grpc_context).get("authorization")
@@ -49,9 +52,11 @@ class GrpcMethods(IngressState):
             if full:
                 self.keys.ops_tenant(authorization)
             stats = await self.probe.stats()
-            body = health(stats)
+            store = await self.store_probe.health()
+            body = with_store(health(stats), store)
             if full:
-                body |= {"worker": asdict(stats) if stats is not None else None, "ingress": self.metrics.snapshot()}
+                body |= {"worker": asdict(stats) if stats is not None else None, "ingress": self.metrics.snapshot(),
+                         "store": store}
             return dlite_pb2.ServerStats(json=json.dumps(body))
         except Exception as exc:  # noqa: BLE001
             return self._grpc_fail(grpc_context, exc, dlite_pb2.ServerStats())

@@ -31,7 +31,7 @@ from dlite_ray.serve.openai_requests import (
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
 from dlite_ray.serve.request_limits import idempotency_key
 from dlite_ray.serve.request_types import ParsedRequest
-from dlite_ray.serve.store_probe import reachable
+from dlite_ray.serve.store_probe import with_store
 from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
 from dlite_ray.serve.worker_messages import GenerateChunk
 from dlite_ray.serve.worker_probe import health
@@ -49,9 +49,7 @@ class OpenAIRoutes(IngressState):
         """Open to all, so it says only whether a TargetWorker answers (503 when none does) and,
         when it serves without its draft, which replica and why (`worker_probe.health`); when
         the conversation store does not answer, that (degraded: completions still serve)."""
-        body = health(await self.probe.stats())
-        if body["status"] == "ok" and not reachable(await self.store_probe.health()):
-            body = {"status": "degraded", "reason": "the conversation store is unreachable"}
+        body = with_store(health(await self.probe.stats()), await self.store_probe.health())
         return JSONResponse(body, status_code=503 if body["status"] == "unavailable" else 200)
 
     @app.get("/v1/models")

@@ -3,9 +3,10 @@ answer to `store_health` (a trivial query's round trip on the store), with a dea
 time to live as for the workers (worker_probe): a burst of health checks costs the store one
 query, and a router or store that does not answer costs each probe at most `timeout_s`.
 
-/healthz is open to all, so it says only that the store is unreachable (status "degraded":
-completions still serve, conversations do not); the latency is an operational figure, in
-/metrics (dlite_store_up, dlite_store_latency_seconds).
+/healthz and a keyless GetStats are open to all, so they say only that the store is
+unreachable (status "degraded": completions still serve, conversations do not); the latency is
+an operational figure, in /metrics (dlite_store_up, dlite_store_latency_seconds) and a full
+GetStats ("store": the StoreHealth).
 """
 
 from __future__ import annotations
@@ -62,3 +63,12 @@ class StoreProbe:
 
 def reachable(health: dict | None) -> bool:
     return health is not None and bool(health["reachable"])
+
+
+def with_store(body: dict, store: dict | None) -> dict:
+    """What /healthz and a keyless GetStats say, given the workers' `body` (worker_probe.health)
+    and the store's health: degraded when the workers serve but the store does not answer
+    (completions still serve, conversations do not)."""
+    if body["status"] == "ok" and not reachable(store):
+        return {"status": "degraded", "reason": "the conversation store is unreachable"}
+    return body
