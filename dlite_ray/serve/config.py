@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from dlite_ray.engine.engine_config import knob_fields
-from dlite_ray.serve.store_url import parse_store_url
+from dlite_ray.serve.store_url import expand_env, parse_store_url
 
 
 def _knob(name: str, **bounds: Any) -> Any:
@@ -107,8 +107,9 @@ class ConversationArgs(BaseModel):
     store_url: str | None = Field(
         None, description="where the durable histories live: sqlite:///PATH (a file on the router's node) or "
                           "postgresql://USER@HOST:PORT/DB (a server every router replica shares, so histories "
-                          "outlive a node; password from PGPASSWORD or ~/.pgpass); null = the SQLite file "
-                          "store_path")
+                          "outlive a node; password from PGPASSWORD or ~/.pgpass); ${NAME} in it is the "
+                          "environment variable NAME of the process that opens the store (\"${DLITE_STORE_URL}\": "
+                          "the URL from a Secret, never in this file); null = the SQLite file store_path")
     router_replicas: int = Field(
         1, ge=1, description="ConversationRouter replicas; more than one need store_url postgresql://... . Each "
                              "is stateless beyond the store (claims, leases and which replica holds a "
@@ -132,7 +133,8 @@ class ConversationArgs(BaseModel):
     @classmethod
     def _known_store(cls, url: str | None) -> str | None:
         if url is not None:
-            parse_store_url(url)  # ValueError: what is accepted, the URL without its password
+            # ValueError: an unset ${NAME}; what is accepted, the URL without its password
+            parse_store_url(expand_env(url))
         return url
 
     @model_validator(mode="after")
@@ -144,8 +146,9 @@ class ConversationArgs(BaseModel):
         return self
 
     def store_location(self) -> str:
-        """The store's URL: store_url, else the SQLite file store_path."""
-        return self.store_url if self.store_url is not None else f"sqlite:///{self.store_path}"
+        """The store's URL (its ${NAME}s expanded from this process's environment): store_url,
+        else the SQLite file store_path."""
+        return expand_env(self.store_url) if self.store_url is not None else f"sqlite:///{self.store_path}"
 
 
 class AppArgs(BaseModel):

@@ -4,14 +4,40 @@
   to the working directory, `sqlite:////abs/path.db` absolute); a bare path means the same.
 - `postgresql://USER[:PASSWORD]@HOST[:PORT]/DB[?sslmode=...]` (or `postgres://`): a
   PostgreSQL server, in libpq's URI form, handed to psycopg as it is. Its password had
-  better come from PGPASSWORD or ~/.pgpass than from the YAML.
+  better come from PGPASSWORD, ~/.pgpass or an environment variable than from the YAML.
+- `${NAME}` anywhere in it is the environment variable NAME of the process that opens the
+  store (`expand_env`): `store_url: "${DLITE_STORE_URL}"` takes the whole URL, password
+  included, from a Kubernetes Secret or an env file on each node (cluster/README.md,
+  section 6), and one Serve config serves clusters with different databases.
 """
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 SCHEMES = ("sqlite", "postgresql", "postgres")
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def expand_env(url: str, environ: Mapping[str, str] | None = None) -> str:
+    """`url` with each `${NAME}` replaced by the environment variable NAME (`environ`, else
+    os.environ). Expanded where the store is opened and where the config is checked, never
+    written back into the config, so the password travels in no pickled argument. ValueError
+    naming the variable (not any value) when one is unset or empty."""
+    env = os.environ if environ is None else environ
+
+    def value(match: re.Match[str]) -> str:
+        name = match[1]
+        if not env.get(name):
+            raise ValueError(f"the conversation store's URL reads ${{{name}}}, which is not set in the "
+                             f"environment of this process: set {name} on every node that runs Ray "
+                             f"(cluster/README.md, section 6)")
+        return env[name]
+
+    return _ENV_REFERENCE.sub(value, url)
 
 
 def parse_store_url(url: str) -> tuple[str, str]:
