@@ -276,9 +276,9 @@ def _scenario(args, library, timeline: Timeline) -> None:
     # Every conversation takes one more turn on the replica left. Those whose replica went away
     # go first, at once: sent before the ConversationRouter's sweep (every 5 s) has seen the
     # replica gone (most runs; the log says), their registry still names it as the holder
-    # (route_to), and the affinity router must pass them to the replica left. They re-prefill their history there (nothing
-    # of it can be cached: no request that replica served began with their first message) and
-    # answer as an uninterrupted run would.
+    # (route_to), and the affinity router must pass them to the replica left. They re-prefill
+    # their history there (nothing of it can be cached: no request that replica served began
+    # with their first message) and answer as an uninterrupted run would.
     with ThreadPoolExecutor(len(moved)) as pool:
         holders = list(pool.map(_turn_noting_holder, moved))
     timeline.event(f"{len(moved)} conversations of the replica scaled away took their next turn; the "
