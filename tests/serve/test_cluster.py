@@ -8,7 +8,10 @@ a network or a cluster.
 - that a TargetWorker pair's placement group fits a worker node as Ray's autoscaler sees it;
 - volumes, ports and the image in every place they must agree;
 - cluster/fetch_models.py with a stand-in for the Hub;
-- cluster/Dockerfile's versions against pyproject.toml and the installed Ray.
+- cluster/Dockerfile's versions against pyproject.toml and the installed Ray;
+- cluster/postgres.yaml as Kubernetes objects (closed schemas on the RayService schema's pod
+  definitions), and the conversation store's URL reaching the app from its Secret (KubeRay) or
+  an env file (the launcher), never written in a config.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def containers(pod: dict) -> list[dict]:
     return pod["containers"] + pod.get("initContainers", [])
 
 
+STORE_ENV = "DLITE_STORE_URL"  # what the shipped Serve config's conversations.store_url reads
+
+
+@pytest.fixture(autouse=True)
+def _store_url(monkeypatch):
+    """Every node of the cluster has it (from the Secret, or the launcher's env file)."""
+    monkeypatch.setenv(STORE_ENV, "postgresql://dlite@dlite-postgres:5432/dlite")
+
+
 def quantity_bytes(quantity: str) -> int:
     units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
     match = re.fullmatch(r"(\d+)(Ki|Mi|Gi|Ti)?", quantity)
@@ -98,6 +110,17 @@ def test_launcher_runs_the_serving_image_with_weights_read_only():
     assert "-v /mnt/models:/models:ro" in config["docker"]["worker_run_options"]
     fetch = " ".join(worker["initialization_commands"])
     assert "-v /mnt/models:/models " in fetch and image in fetch and "cluster/fetch_models.py" in fetch
+
+
+def test_launcher_exports_the_store_url_from_a_file_kept_out_of_git():
+    config = load("h800-cluster.yaml")
+    (remote,) = [r for r, local in config["file_mounts"].items() if local.endswith("dlite-store.env")]
+    local = config["file_mounts"][remote]
+    assert local.startswith("~/")  # beside the user's credentials, not in the repository (nor the image)
+    for commands in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        (start,) = [c for c in commands if "ray start" in c]
+        # exported before `ray start`: its raylet and every worker it starts inherit it
+        assert f"set -a; . {remote}; set +a; ray start" in start, start
 
 
 # --- the KubeRay RayService ---------------------------------------------------------------
@@ -251,6 +274,125 @@ def test_shared_memory_weights_and_gpus_in_the_pods():
     assert limits["nvidia.com/gpu"] == serving["resources"]["requests"]["nvidia.com/gpu"]
     assert int(limits["nvidia.com/gpu"]) == int(worker_group()["resources"]["GPU"])  # Ray's num-gpus
     assert "nvidia.com/gpu" not in head_pod()["containers"][0]["resources"]["limits"]
+
+
+# --- the conversation store: cluster/postgres.yaml and its Secret ---------------------------
+
+def postgres_objects() -> dict[str, dict]:
+    objects = [o for o in yaml.safe_load_all((CLUSTER / "postgres.yaml").read_text()) if o is not None]
+    by_kind = {o["kind"]: o for o in objects}
+    assert len(by_kind) == len(objects), "one object of each kind"
+    return by_kind
+
+
+def kubernetes_schemas() -> dict[str, dict]:
+    """Closed schemas of a Service and a StatefulSet (from Kubernetes' API reference, the fields
+    in use), on the RayService schema's definitions of metadata, pod templates and quantities:
+    a misspelt or misplaced field fails, as kubectl's strict validation would refuse it."""
+    ray = json.loads((CLUSTER / "schema" / "rayservice-v1.schema.json").read_text())
+    defs = ray["$defs"]
+    name = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", "maxLength": 63}
+    labels = {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 1}
+
+    def closed(required: list[str], **properties) -> dict:
+        return {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
+
+    def kind(api_version: str, kind_name: str, spec: dict) -> dict:
+        return {"$defs": defs, **closed(["apiVersion", "kind", "metadata", "spec"], apiVersion={"const": api_version},
+                                        kind={"const": kind_name}, metadata={"$ref": "#/$defs/objectMeta"}, spec=spec)}
+
+    service_ports = defs["service"]["properties"]["spec"]["properties"]["ports"]
+    claim = closed(["metadata", "spec"], metadata={"$ref": "#/$defs/objectMeta"}, spec=closed(
+        ["accessModes", "resources"],
+        accessModes={"type": "array", "minItems": 1,
+                     "items": {"enum": ["ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"]}},
+        storageClassName={"type": "string"},
+        resources=closed(["requests"], requests=closed(["storage"], storage={"$ref": "#/$defs/quantity"}))))
+    return {
+        "Service": kind("v1", "Service", closed(["selector", "ports"], type={"enum": ["ClusterIP", "NodePort",
+                                                                                      "LoadBalancer"]},
+                                                 clusterIP={"type": "string"}, selector=labels, ports=service_ports)),
+        "StatefulSet": kind("apps/v1", "StatefulSet", closed(
+            ["selector", "serviceName", "template"], replicas={"type": "integer", "minimum": 0}, serviceName=name,
+            selector=closed(["matchLabels"], matchLabels=labels), template={"$ref": "#/$defs/podTemplate"},
+            volumeClaimTemplates={"type": "array", "items": claim},
+            podManagementPolicy={"enum": ["OrderedReady", "Parallel"]})),
+    }
+
+
+def test_postgres_manifest_is_a_service_and_a_statefulset_with_its_volume():
+    import jsonschema
+
+    objects, schemas = postgres_objects(), kubernetes_schemas()
+    assert set(objects) == {"Service", "StatefulSet"}
+    for kind_name, manifest in objects.items():
+        jsonschema.Draft202012Validator(schemas[kind_name]).validate(manifest)
+    service, stateful = objects["Service"], objects["StatefulSet"]
+    pod = stateful["spec"]["template"]
+    # the Service finds the pod, the StatefulSet owns it and names the Service
+    assert stateful["spec"]["serviceName"] == service["metadata"]["name"]
+    assert stateful["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] in {p["containerPort"] for p in container["ports"]} and port["port"] == 5432
+    # the data on the PVC the StatefulSet makes, in a subdirectory (initdb refuses a lost+found)
+    (claim,) = stateful["spec"]["volumeClaimTemplates"]
+    (data,) = [m for m in container["volumeMounts"] if m["name"] == claim["metadata"]["name"]]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["PGDATA"]["value"].startswith(data["mountPath"] + "/")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and stateful["spec"]["replicas"] == 1
+    assert "value" not in env["POSTGRES_PASSWORD"]  # from the Secret, below
+
+    def refused(edit) -> bool:
+        manifest = copy.deepcopy(stateful)
+        edit(manifest)
+        return not jsonschema.Draft202012Validator(schemas["StatefulSet"]).is_valid(manifest)
+
+    assert refused(lambda m: m["spec"].update(serviceNmae="x"))  # the schema is closed
+    assert refused(lambda m: m["spec"]["template"]["spec"]["containers"][0].update(envv=[]))
+
+
+def secret_command() -> tuple[str, dict[str, str]]:
+    """The Secret cluster/README.md has you create for the database of postgres.yaml (the one
+    command with a password): its name and its --from-literal keys."""
+    text = (CLUSTER / "README.md").read_text()
+    commands = re.findall(r"kubectl create secret generic (\S+)((?:\s*\\?\n?\s*--from-literal=\S+)+)", text)
+    (command,) = [(name, literals) for name, literals in commands if "--from-literal=password=" in literals]
+    return command[0], dict(re.findall(r"--from-literal=(\w+)=(\S+)", command[1]))
+
+
+def test_the_apps_store_url_comes_from_the_secret_the_database_reads():
+    from urllib.parse import urlsplit
+
+    from dlite_ray.serve.config import AppArgs
+
+    (app,) = serve_config()["applications"]
+    conversations = app["args"]["conversations"]
+    written = conversations["store_url"]
+    assert written == "${" + STORE_ENV + "}"  # the whole URL from the environment: no password in a config
+    assert urlsplit(written).password is None
+    args = AppArgs.model_validate(app["args"])
+    assert args.conversations.router_replicas == 2 and args.conversations.store_location().startswith("postgresql")
+
+    # every Ray container (the app is built, and its routers run, on any node) reads it from
+    # the Secret whose password the database is started with
+    stateful = postgres_objects()["StatefulSet"]
+    (db,) = stateful["spec"]["template"]["spec"]["containers"]
+    db_password = {e["name"]: e for e in db["env"]}["POSTGRES_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    for pod in (head_pod(), worker_group()["template"]["spec"]):
+        ray_container = pod["containers"][0]
+        (ref,) = [e["valueFrom"]["secretKeyRef"] for e in ray_container["env"] if e["name"] == STORE_ENV]
+        assert ref["name"] == db_password["name"] and ref["key"] == "url" and not ref.get("optional")
+
+    # and the README's command makes that Secret, with a URL that reaches the Service as the
+    # database's own user, into its own database
+    name, literals = secret_command()
+    assert name == db_password["name"] and {db_password["key"], "url"} <= set(literals)
+    url = urlsplit(literals["url"].strip("'\""))
+    db_env = {e["name"]: e.get("value") for e in db["env"]}
+    assert url.scheme == "postgresql" and url.hostname == postgres_objects()["Service"]["metadata"]["name"]
+    assert url.port == 5432 and url.username == db_env["POSTGRES_USER"] and url.path == "/" + db_env["POSTGRES_DB"]
 
 
 # --- a TargetWorker pair on a worker node ---------------------------------------------------
@@ -414,6 +556,16 @@ def test_dockerfile_versions_agree_with_the_project():
     assert re.fullmatch(rf"flash_attn-[\d.]+\+{args['TORCH_CUDA']}torch{re.escape(torch_major_minor)}"
                         rf"(cxx11abi(TRUE|FALSE))?-cp{py}-cp{py}-linux_x86_64\.whl", wheel), wheel
     assert args["TORCH_CUDA"][:4] == cuda[:4]  # one CUDA major version (12) in base image and torch
+
+
+def test_the_image_installs_the_postgres_client():
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dockerfile = re.sub(r"#.*", "", (CLUSTER / "Dockerfile").read_text())
+    (installed,) = re.findall(r'pip install [^\n]*"/home/ray/dlite-ray\[([\w,]+)\]"', dockerfile)
+    chosen = installed.split(",")
+    assert "serve" in chosen and [e for e in chosen if any(d.startswith("psycopg") for d in extras[e])]
+    assert "dlite_ray.serve.conversation_pg" in dockerfile  # imported at build: psycopg and libpq load
 
 
 def test_nothing_builds_flash_attn_from_source():

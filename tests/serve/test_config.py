@@ -11,11 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("name", ["dlite.yaml", "qwen3-8b-h800.yaml"])
-def test_deployment_yaml_validates(name):
+def test_deployment_yaml_validates(name, monkeypatch):
     from ray.serve.schema import ServeDeploySchema
 
     from dlite_ray.serve.config import AppArgs
 
+    # the H800 config's conversations.store_url reads it, as every node of its cluster has it
+    monkeypatch.setenv("DLITE_STORE_URL", "postgresql://dlite@dlite-postgres:5432/dlite")
     data = yaml.safe_load((ROOT / "deployments" / name).read_text())
     ServeDeploySchema.model_validate(data)
     app = data["applications"][0]

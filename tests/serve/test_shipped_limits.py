@@ -30,6 +30,12 @@ def _shipped() -> dict[str, dict]:
 CONFIGS = _shipped()
 
 
+@pytest.fixture(autouse=True)
+def _store_url(monkeypatch):
+    """The H800 configs' conversations.store_url reads it, as every node of their cluster has it."""
+    monkeypatch.setenv("DLITE_STORE_URL", "postgresql://dlite@dlite-postgres:5432/dlite")
+
+
 def _args(config: dict):
     from dlite_ray.serve.config import AppArgs
 
