@@ -1,12 +1,10 @@
-"""The OpenAI-compatible HTTP side of DLiteIngress: the FastAPI routes, the SSE body of a
-streamed reply and the shapes of OpenAI's responses. Credentials and parsing happen here,
-before anything reaches an engine; parsing runs off the event loop."""
+"""The OpenAI-compatible HTTP side of DLiteIngress: the FastAPI routes and the SSE body of a
+streamed reply (the responses' shapes are `openai_responses.py`'s). Credentials and parsing
+happen here, before anything reaches an engine; parsing runs off the event loop."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import uuid
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -16,11 +14,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.errors import PayloadTooLarge, as_serve_error, openai_error_body
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.ingress_state import IngressState
-from dlite_ray.serve.logprobs import completion_logprobs
 from dlite_ray.serve.openai_requests import (
     decode_json_body,
     parse_append,
@@ -28,11 +24,19 @@ from dlite_ray.serve.openai_requests import (
     parse_completion,
     parse_create_conversation,
 )
+from dlite_ray.serve.openai_responses import (
+    Reply,
+    completion,
+    conversation_reply,
+    sse_event,
+    stream_choice,
+    stream_chunk,
+    usage,
+)
 from dlite_ray.serve.request_limits import conversation_id as valid_conversation_id
 from dlite_ray.serve.request_limits import idempotency_key
 from dlite_ray.serve.request_types import ParsedRequest
 from dlite_ray.serve.store_probe import with_store
-from dlite_ray.serve.tool_calls import assistant_message, chat_message, tool_calls_delta
 from dlite_ray.serve.worker_messages import GenerateChunk
 from dlite_ray.serve.worker_probe import health
 
@@ -106,15 +110,7 @@ class OpenAIRoutes(IngressState):
                     logprobs += chunk.logprobs or []
             except Exception as exc:  # noqa: BLE001 - a replica lost or a step failed: a typed error, not a bare 500
                 return self._error_response(exc)
-        usage = _usage(stats, n)
-        if chat:
-            message, finish = chat_message(text, finish, parsed.tools)
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "finish_reason": finish}
-        choice["logprobs"], _ = _choice_logprobs(parsed, chat, logprobs)
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": self.args.model_name, "choices": [choice], "usage": usage, "dlite_stats": _public_stats(stats)}
+        return completion(rid, self.args.model_name, parsed, chat, Reply(text, finish, stats, n, logprobs))
 
     def _streaming_response(self, rid: str, parsed: ParsedRequest, chat: bool, held: ExitStack,
                             chunks: AsyncGenerator[GenerateChunk, None]) -> StreamingResponse:
@@ -138,26 +134,20 @@ class OpenAIRoutes(IngressState):
                 n, stats = n + len(chunk.token_ids), chunk.stats or stats
                 if not (chunk.text or chunk.logprobs or chunk.finished):
                     continue  # held back: nothing to send yet
-                choice = _stream_choice(chunk, chat)
-                if first:
-                    choice["delta"], first = {"role": "assistant", **choice["delta"]}, False
-                choice["logprobs"], text_offset = _choice_logprobs(parsed, chat, chunk.logprobs, text_offset)
+                choice, text_offset = stream_choice(chunk, parsed, chat, first, text_offset)
+                first = False
                 # with include_usage, OpenAI's other chunks carry "usage": null
-                yield self._sse_chunk(rid, chat, [choice], **({"usage": None} if parsed.include_usage else {}))
+                yield sse_event(stream_chunk(rid, self.args.model_name, chat, [choice],
+                                             **({"usage": None} if parsed.include_usage else {})))
             if parsed.include_usage:  # OpenAI's last chunk: no choices, the request's token counts
-                yield self._sse_chunk(rid, chat, [], usage=_usage(stats, n))
+                yield sse_event(stream_chunk(rid, self.args.model_name, chat, [], usage=usage(stats, n)))
         except Exception as exc:  # noqa: BLE001 - the stream ends with an error event, others unaffected
             err = as_serve_error(exc)
-            yield f"data: {json.dumps(openai_error_body(err))}\n\n"
+            yield sse_event(openai_error_body(err))
         finally:
             held.close()
             await chunks.aclose()
         yield "data: [DONE]\n\n"
-
-    def _sse_chunk(self, rid: str, chat: bool, choices: list[dict], **extra) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.args.model_name, "choices": choices, **extra}
-        return f"data: {json.dumps(body)}\n\n"
 
     async def _parse(self, request: Request, parse) -> Any:
         """The body through `decode_json_body` and `parse`, in a thread: a large body or schema
@@ -213,9 +203,7 @@ class OpenAIRoutes(IngressState):
                     finish, replica = chunk.finish_reason or finish, chunk.replica or replica
                     stats, calls = chunk.stats or stats, chunk.tool_calls or calls
                     logprobs += chunk.logprobs or []
-            return {"conversation_id": conversation_id, "message": assistant_message(text, calls),
-                    "logprobs": None if turn.params.logprobs is None else {"content": logprobs},
-                    "finish_reason": finish, "replica": replica, "stats": _public_stats(stats)}
+            return conversation_reply(conversation_id, turn, Reply(text, finish, stats, 0, logprobs), calls, replica)
         return await self._http_call(go)
 
 
@@ -230,35 +218,3 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
         if len(body) > max_bytes:
             raise PayloadTooLarge(f"body of more than {max_bytes} bytes exceeds this server's max_body_bytes")
     return bytes(body)
-
-
-def _stream_choice(chunk: GenerateChunk, chat: bool) -> dict:
-    if chunk.tool_calls:
-        return {"index": 0, "delta": tool_calls_delta(chunk.tool_calls), "finish_reason": chunk.finish_reason}
-    if chat:
-        return {"index": 0, "delta": {"content": chunk.text}, "finish_reason": chunk.finish_reason}
-    return {"index": 0, "text": chunk.text, "finish_reason": chunk.finish_reason}
-
-
-def _usage(stats: RequestStats | None, completion_tokens: int) -> dict:
-    prompt_tokens = stats.num_prompt_tokens if stats is not None else 0
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-def _choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict] | None,
-                     text_offset: int = 0) -> tuple[dict | None, int]:
-    """A choice's `logprobs` (None unless the request asked for them), and the completion
-    text offset after them."""
-    if parsed.params.logprobs is None:
-        return None, text_offset
-    entries = entries or []  # a chunk without entries (held_for_tool_calls gives every chunk a list)
-    return ({"content": entries}, text_offset) if chat else completion_logprobs(entries, text_offset)
-
-
-def _public_stats(stats: RequestStats | None) -> dict:
-    if stats is None:
-        return {}
-    keys = ("mean_accept_length", "accept_lengths", "prefill_time", "decode_wall_time", "draft_time", "verify_time",
-            "decode_tokens_per_second", "ttft", "cached_prompt_tokens")
-    return {k: getattr(stats, k) for k in keys}
