@@ -21,6 +21,8 @@ def test_text_before_stop_cuts_at_the_first_of_any_stop():
     assert text_before_stop("say hi. Observation: x", ("Observation:", ".")) == "say hi"
     assert text_before_stop("nothing here", ("STOP",)) == "nothing here"
     assert text_before_stop("abc", ()) == "abc"
+    assert text_before_stop("a. b. c", (".",)) == "a"  # the first occurrence, not the last
+    assert text_before_stop(". b", (".",)) == ""  # a reply that opens with its stop sends nothing
 
 
 def test_a_stream_holds_back_what_could_begin_a_stop():
