@@ -27,6 +27,8 @@ def test_text_before_stop_cuts_at_the_first_of_any_stop():
 
 def test_a_stream_holds_back_what_could_begin_a_stop():
     assert stop_prefix_length("answer: Obs", ("Observation:",)) == 3
+    # a prefix of every length is found, whatever the length of the text before it
+    assert stop_prefix_length("say: Ob", ("Observation:",)) == stop_prefix_length("says: Ob", ("Observation:",)) == 2
     assert stop_prefix_length("answer: O", ("Observation:", "OK")) == 1
     assert stop_prefix_length("answer", ("Observation:",)) == 0
     assert stop_prefix_length("x\n\n", ("\n\n\n", "\n")) == 2
@@ -63,6 +65,7 @@ def test_only_the_tail_is_decoded_and_an_occurrence_there_is_new():
     assert seen == [1]  # "y" holds no stop's last character: dismissed by its own text
     assert stops.completed_by_last(out + [ord("z")])
     assert seen[1:] == [1, stops.tail_tokens] and stops.tail_tokens < 100
+    assert stops.completed_by_last([ord(c) for c in "xyz"])  # the output begins at its first token by default
 
 
 def test_stops_ending_in_whitespace_or_split_characters_always_take_the_full_check():
