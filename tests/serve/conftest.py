@@ -99,3 +99,21 @@ def tiny_pair(tiny_dirs, tmp_path_factory):
     draft_dir = tmp_path_factory.mktemp("pair") / "draft"
     random_draft(target, read_config(target_dir)).save(draft_dir, dtype=torch.float32)
     return target_dir, target, draft_dir
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A real PostgreSQL server for the module (tests/serve/postgres_server.py); a test that
+    stops it starts it again."""
+    from tests.serve.postgres_server import PostgresServer
+
+    server = PostgresServer()
+    server.start()
+    yield server
+    server.remove()
+
+
+@pytest.fixture
+def database(postgres) -> str:
+    """The URL of a fresh database on the module's server."""
+    return postgres.new_database()

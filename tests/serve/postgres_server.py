@@ -19,6 +19,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 READY_WAIT_S = 60.0  # how long a starting server may take before the suite gives up (not a test threshold)
@@ -82,6 +83,16 @@ class PostgresServer:
             self._proc.send_signal(2)
             self._proc.wait(timeout=READY_WAIT_S)
             self._proc = None
+
+    def new_database(self) -> str:
+        """A fresh, empty database on this server (one per test: no test sees another's
+        rows); its URL."""
+        import psycopg
+
+        name = f"t_{uuid.uuid4().hex[:12]}"
+        with psycopg.connect(self.url, autocommit=True) as admin:
+            admin.execute(f"CREATE DATABASE {name}")
+        return self.url.rsplit("/", 1)[0] + f"/{name}"
 
     def remove(self) -> None:
         self.stop()

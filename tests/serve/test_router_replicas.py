@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import uuid
 
-import pytest
 from ray.exceptions import ActorDiedError
 
 from dlite_ray.serve.conversation_store import GENERATING
@@ -23,7 +21,6 @@ from dlite_ray.serve.errors import StoreUnavailable
 from dlite_ray.serve.router import ConversationRouter
 from dlite_ray.serve.worker_messages import GenerateChunk
 from tests.serve.local_handles import AsgiClient, LocalHandle, crossed, local_args
-from tests.serve.postgres_server import PostgresServer
 
 KEYS = {"tenant-a": "key-a"}
 AUTH = {"authorization": "Bearer key-a"}
@@ -96,24 +93,6 @@ class RouterReplicas:
         except StoreUnavailable:
             self.store_unavailable += 1
             raise
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
-
-
-@pytest.fixture
-def database(postgres) -> str:
-    import psycopg
-
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres.url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    return postgres.url.rsplit("/", 1)[0] + f"/{name}"
 
 
 def test_agent_loops_survive_a_dead_router_replica_and_a_database_restart(tmp_path, postgres, database):

@@ -17,21 +17,12 @@ from dlite_ray.serve.conversation_turn import ConversationTurns
 from dlite_ray.serve.errors import ConversationBusy, unwrap
 from dlite_ray.serve.request_types import ConversationTurn
 from dlite_ray.serve.worker_messages import GenerateChunk
-from tests.serve.postgres_server import PostgresServer
 
 APP = "routers56"
 AGENTS, TURNS = 20, 3
 CLIENT_ATTEMPTS = 200  # a client's tries of one turn before the test calls it stuck (a hang guard)
 DOWN_FAILURES = 5  # router calls that meet the stopped database before it starts again
 READY_WAIT_S = 120.0  # Serve bringing the replacement replica up (a wait, not a threshold)
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
 
 
 @pytest.fixture(scope="module")

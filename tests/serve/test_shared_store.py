@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import pytest
 
@@ -16,7 +15,6 @@ from dlite_ray.serve.errors import ConversationNotFound
 from dlite_ray.serve.router import ConversationRouter
 from dlite_ray.serve.worker_messages import GenerateChunk
 from tests.serve.local_handles import AsgiClient, LocalHandle, local_args
-from tests.serve.postgres_server import PostgresServer
 
 KEYS = {"tenant-a": "key-a", "tenant-b": "key-b"}
 AUTH = {t: {"authorization": f"Bearer {k}"} for t, k in KEYS.items()}
@@ -35,24 +33,6 @@ class ReplyWorker:
     async def release_lease(self, conversation: str, route_to: str | None = None, strict: bool = True) -> str:
         self.releases.append((conversation, route_to))
         return "released"
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
-
-
-@pytest.fixture
-def database(postgres) -> str:
-    import psycopg
-
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres.url, autocommit=True) as admin:
-        admin.execute(f"CREATE DATABASE {name}")
-    return postgres.url.rsplit("/", 1)[0] + f"/{name}"
 
 
 def _routers(tmp_path, url: str, n: int = 2, **conversations) -> tuple[list[ConversationRouter], ReplyWorker, object]:

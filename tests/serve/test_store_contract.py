@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Callable
 
 import pytest
@@ -26,14 +25,6 @@ RACERS = 8
 INTERLOPER_GRACE_S = 2.0  # what an interloper that is not kept waiting needs, many times over (_interleaved)
 
 
-@pytest.fixture(scope="session")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
-
-
 Opener = Callable[..., SqlConversationStore]
 
 
@@ -44,13 +35,8 @@ def open_same(request, tmp_path) -> Opener:
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'c.db'}"
     else:
-        import psycopg
-
         server: PostgresServer = request.getfixturevalue("postgres")
-        name = f"t_{uuid.uuid4().hex[:12]}"
-        with psycopg.connect(server.url, autocommit=True) as admin:
-            admin.execute(f"CREATE DATABASE {name}")
-        url = server.url.rsplit("/", 1)[0] + f"/{name}"
+        url = server.new_database()
     opened: list[SqlConversationStore] = []
 
     def make(quota: TenantQuota | None = None) -> SqlConversationStore:

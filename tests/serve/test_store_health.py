@@ -9,13 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-
 from dlite_ray.serve.proto import dlite_pb2
 from dlite_ray.serve.router import ConversationRouter
 from dlite_ray.serve.worker_messages import GenerateChunk, WorkerStats
 from tests.serve.local_handles import AsgiClient, LocalGrpc, LocalHandle, local_args
-from tests.serve.postgres_server import PostgresServer
 
 KEYS = {"tenant-a": "key-a"}
 AUTH = {"authorization": "Bearer key-a"}
@@ -30,14 +27,6 @@ class StatsWorker:
 
     async def generate(self, prompt, params, **_routing):
         yield GenerateChunk([1], "ok", finished=True, finish_reason="stop", replica="r1")
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    server = PostgresServer()
-    server.start()
-    yield server
-    server.remove()
 
 
 def _client(tmp_path, store_url: str | None) -> tuple[AsgiClient, LocalGrpc]:
