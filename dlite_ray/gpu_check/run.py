@@ -15,6 +15,8 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from dlite_ray.engine.graph_runner import GraphConfig, is_graph_safe
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.gpu_check import end_to_end, exactness, gemm_settings, timing, transport
 from dlite_ray.gpu_check.random_models import DRAFT_8B, DRAFT_SMALL, QWEN3_8B, QWEN3_SMALL, random_draft, random_target
+from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention import make_backend
 from dlite_ray.runtime.attention.flash import flash_attn_available
 
@@ -86,6 +89,7 @@ def run_checks(out: Path, small: bool, device: torch.device, dtype: torch.dtype 
     section("rejection", lambda: exactness.rejection_chi_square(device))
     section("steps", lambda: _step_times(target, taps, plan))
     section("graphs", lambda: _graph_steps(target, taps, plan, report["steps"]))
+    section("small_ops", lambda: _eager_small_ops_steps(target, taps, plan, report["steps"]))
     section("draft", lambda: [timing.draft_times(draft, b) for b in plan.draft_batches])
     section("bandwidth", lambda: _bandwidth(target, device, plan))
     section("gemm_settings", lambda: gemm_settings.compare_settings(_linear_shapes(target.cfg), dtype, device))
@@ -156,6 +160,39 @@ def _graph_steps(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan, ea
     return {"mode": mode, "reason": None, "steps": side_by_side, "stats": rows[-1]["graph_stats"] if rows else None}
 
 
+def _eager_small_ops_steps(target, taps: tuple[tuple[int, ...], bool], plan: CheckPlan, steps: list[dict]) -> dict:
+    """The eager steps again with each layer's small operations as eager PyTorch calls
+    (DLITE_TRITON_OPS=0), beside the steps through the Triton kernels (runtime/triton_ops.py):
+    what those kernels save in time and launches. Only on CUDA where they serve."""
+    if next(target.parameters()).device.type != "cuda" or fused_ops.triton_kernels() is None:
+        return {"mode": "off", "reason": "the Triton small operations serve CUDA only, with triton installed",
+                "steps": []}
+    with _without_triton_ops():
+        eager = _step_times(target, taps, plan)
+    return {"mode": "triton_vs_eager", "reason": None,
+            "steps": [{"batch": t["batch"], "context": t["context"], "decode_ms": t["decode_ms"],
+                       "eager_ops_decode_ms": e["decode_ms"], "verify_ms": t["verify_ms"],
+                       "eager_ops_verify_ms": e["verify_ms"], "launches": t["launches"],
+                       "eager_ops_launches": e["launches"]} for t, e in zip(steps, eager)]}
+
+
+@contextmanager
+def _without_triton_ops() -> Iterator[None]:
+    """The small operations as eager PyTorch calls inside the block (the way is otherwise
+    settled once per process: `fused_ops.triton_kernels`)."""
+    before = os.environ.get("DLITE_TRITON_OPS")
+    os.environ["DLITE_TRITON_OPS"] = "0"
+    fused_ops.triton_kernels.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DLITE_TRITON_OPS"]
+        else:
+            os.environ["DLITE_TRITON_OPS"] = before
+        fused_ops.triton_kernels.cache_clear()
+
+
 def _bandwidth(target, device: torch.device, plan: CheckPlan) -> dict:
     gbs = timing.copy_bandwidth_gbs(device, plan.bandwidth_mb)
     weights = _weight_bytes(target)
@@ -219,7 +256,8 @@ def _draft_parameters(draft) -> int:
 
 def _versions(device: torch.device) -> dict:
     info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
-            "flash_attn": flash_attn_available()}
+            "flash_attn": flash_attn_available(),
+            "small_ops": "triton" if device.type == "cuda" and fused_ops.triton_kernels() is not None else "default"}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(cuda=torch.version.cuda, name=props.name, capability=f"{props.major}.{props.minor}",

@@ -1,5 +1,6 @@
-"""CPU kernels of our own for a decoder layer: its small operations, its linears, its decode
-attention, and the loop over the layers.
+"""Kernels of our own for a decoder layer: on the CPU its small operations, its linears, its
+decode attention and the loop over the layers (C++); on CUDA its small operations (Triton,
+`triton_ops.py`: RMSNorm with its residual add, q/k norm with RoPE, SiLU-mul, the cache write).
 
 A decode step of a small model on CPU is mostly small operations: an eager RMSNorm is
 eight calls of ~2-5 us each, rotary six, a cache write six. `csrc/fused_ops.cpp` does each
@@ -16,16 +17,19 @@ dead build's lock removed, a live one waited on with a deadline); where that fai
 DLITE_FUSED_OPS=0, the same operations run as eager PyTorch calls and attention through the
 CPU flash kernel.
 
-The kernels serve inference only (no autograd): a call with gradients enabled, or off the
-CPU, takes the eager way. Both ways compute each row the same way whatever the row count,
-which exact speculative decoding needs, but they round differently from each other: the
-way is settled once per process, so decode and verify steps always share it.
+The kernels serve inference only (no autograd): a call with gradients enabled, or on a
+device without kernels of ours, takes the eager way. On CUDA the Triton kernels serve where
+the `triton` package is installed (extra `triton`) and DLITE_TRITON_OPS is not 0. Each way
+computes a row the same way whatever the row count, which exact speculative decoding needs,
+but the ways round differently from each other: the way is settled once per process, so
+decode and verify steps always share it.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -88,7 +92,28 @@ def _fused(x: torch.Tensor) -> ModuleType | None:
     return kernels()
 
 
+def _gpu(x: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels for an inference call on CUDA, where they serve (else None)."""
+    if x.device.type != "cuda" or torch.is_grad_enabled():
+        return None
+    return triton_kernels()
+
+
+@functools.cache
+def triton_kernels() -> ModuleType | None:
+    """`triton_ops`, or None where Triton is not installed or DLITE_TRITON_OPS=0 (settled once
+    per process, as the CPU's way is)."""
+    if os.environ.get("DLITE_TRITON_OPS", "1") == "0" or importlib.util.find_spec("triton") is None:
+        return None
+    from dlite_ray.runtime import triton_ops
+
+    return triton_ops
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    gpu = _gpu(x)
+    if gpu is not None and weight.dtype == x.dtype:
+        return gpu.rms_norm(x, weight, eps)
     ops = _fused(x)
     if ops is None or weight.dtype != x.dtype:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -98,6 +123,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + delta), residual + delta): a residual add and the norm that follows it."""
+    gpu = _gpu(delta)
+    if gpu is not None and weight.dtype == delta.dtype == residual.dtype:
+        return gpu.add_rms_norm(residual, delta, weight, eps)
     ops = _fused(delta)
     if ops is None or weight.dtype != delta.dtype:
         summed = residual + delta
@@ -107,18 +135,30 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 
 def rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, num_heads: int,
-               num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               num_kv_heads: int, norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused projection's output [..., (Hq + 2 Hkv) * Dh] -> q [..., Hq, Dh] and k
-    [..., Hkv, Dh] rotated (`apply_rotary`), v [..., Hkv, Dh]."""
+    [..., Hkv, Dh] rotated (`apply_rotary`), v [..., Hkv, Dh]. norms: (q weight, k weight,
+    eps) where each q and k head is RMS-normed before rotation (Qwen3's q_norm / k_norm)."""
     dh = qkv.shape[-1] // (num_heads + 2 * num_kv_heads)
+    ragged = qkv.dim() == 2 and cos.shape[0] == qkv.shape[0]  # the target's rows (the kernels' shape)
+    gpu = _gpu(qkv)
+    if gpu is not None and ragged:
+        return gpu.rotate_qkv(qkv, cos, signed_sin, num_heads, num_kv_heads, norms)
     ops = _fused(qkv)
-    if ops is None or qkv.dim() != 2 or cos.shape[0] != qkv.shape[0]:  # fused: the target's ragged rows
-        qk = apply_rotary(qkv[..., :(num_heads + num_kv_heads) * dh].unflatten(-1, (-1, dh)), cos, signed_sin)
-        v = qkv[..., (num_heads + num_kv_heads) * dh:].unflatten(-1, (num_kv_heads, dh))
-        return qk[..., :num_heads, :], qk[..., num_heads:, :], v
-    rows = qkv.shape[0]
-    return ops.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh),
-                          num_heads, num_kv_heads)
+    if ops is not None and ragged and norms is None:
+        rows = qkv.shape[0]
+        return ops.rotate_qkv(qkv.contiguous(), cos.reshape(rows, dh), signed_sin.reshape(rows, dh),
+                              num_heads, num_kv_heads)
+    v = qkv[..., (num_heads + num_kv_heads) * dh:].unflatten(-1, (num_kv_heads, dh))
+    if norms is not None:
+        q_weight, k_weight, eps = norms
+        q = rms_norm(qkv[..., :num_heads * dh].unflatten(-1, (num_heads, dh)), q_weight, eps)
+        k = rms_norm(qkv[..., num_heads * dh:(num_heads + num_kv_heads) * dh].unflatten(-1, (num_kv_heads, dh)),
+                     k_weight, eps)
+        return apply_rotary(q, cos, signed_sin), apply_rotary(k, cos, signed_sin), v
+    qk = apply_rotary(qkv[..., :(num_heads + num_kv_heads) * dh].unflatten(-1, (-1, dh)), cos, signed_sin)
+    return qk[..., :num_heads, :], qk[..., num_heads:, :], v
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -129,6 +169,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] -> silu(gate) * up [..., I]."""
+    gpu = _gpu(gate_up)
+    if gpu is not None:
+        return gpu.silu_mul(gate_up)
     ops = _fused(gate_up)
     if ops is None:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -145,6 +188,17 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     if ops is None or not k_cache.is_contiguous():
         return False
     ops.write_kv(k_cache, v_cache, slots, k.contiguous(), v.contiguous())
+    return True
+
+
+def write_kv_block_major(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> bool:
+    """`write_kv` for one layer of a block-major cache [blocks, block_size, Hkv, Dh], by the
+    Triton kernel on CUDA; False, having written nothing, elsewhere."""
+    gpu = _gpu(k)
+    if gpu is None or not k_cache.is_contiguous() or not v_cache.is_contiguous():
+        return False
+    gpu.write_kv(k_cache, v_cache, slots, k, v)
     return True
 
 

@@ -44,8 +44,9 @@ class PagedKVCache:
         # nothing only if it is finite. A request whose activations overflow thus cannot
         # poison another's attention (its own output is garbage either way).
         if self.block_major:
-            self.k_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(k))
-            self.v_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(v))
+            if not fused_ops.write_kv_block_major(self.k_layers[layer], self.v_layers[layer], slot_mapping, k, v):
+                self.k_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(k))
+                self.v_layers[layer].flatten(0, 1).index_copy_(0, slot_mapping, _finite(v))
         elif not fused_ops.write_kv(self.k_layers[layer], self.v_layers[layer], slot_mapping, k, v):
             self.k_layers[layer].index_copy_(1, slot_mapping, _finite(k).transpose(0, 1))
             self.v_layers[layer].index_copy_(1, slot_mapping, _finite(v).transpose(0, 1))

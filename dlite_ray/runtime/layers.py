@@ -108,10 +108,11 @@ class Attention(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [..., Hq, Dh], k and v [..., Hkv, Dh], q and k rotated."""
         hq, hkv, dh = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv is not None and self.q_norm is None:
-            # Frozen, q and k sit side by side in one output: rotating the q and k heads in
-            # one go halves the small operations rotation costs a decode step.
-            return fused_ops.rotate_qkv(self.qkv(x), cos, sin, hq, hkv)
+        if self.qkv is not None:
+            # Frozen, q and k sit side by side in one output: rotating (and norming) the q and
+            # k heads in one go cuts the small operations rotation costs a decode step.
+            norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return fused_ops.rotate_qkv(self.qkv(x), cos, sin, hq, hkv, norms)
         q, k, v = self.project_qkv(x)
         q, k, v = q.unflatten(-1, (hq, dh)), k.unflatten(-1, (hkv, dh)), v.unflatten(-1, (hkv, dh))
         if self.q_norm is not None:
