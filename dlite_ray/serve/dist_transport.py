@@ -265,10 +265,10 @@ def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, dev
         feats = None
         if msg.feature_shape is not None:
             feats = payload.recv([(msg.feature_shape, torch.bfloat16)], deadline)[0].to(device, dtype)
-        gens = [torch.Generator(device=device).manual_seed(seed) for seed in msg.seeds]
         proposal = draft.propose(feats, torch.tensor(msg.token_groups, dtype=torch.long, device=device),
-                                 msg.num_tokens, RowSampling.build(msg.temperature, msg.top_k, msg.top_p, gens, device),
-                                 torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device))
+                                 msg.num_tokens, _row_sampling(msg, device),
+                                 torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device),
+                                 all_greedy=not msg.sampled)  # known from the header: no read of the device
         out, width = [torch.stack([proposal.tokens, proposal.runners_up], 1).long()], 0
         if msg.sampled:
             probs = proposal.probs.float()
@@ -279,3 +279,12 @@ def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, dev
         conn.send(RoundDone(width))
         payload.send(out)
         payload.wait_sent(time.monotonic() + timeout_s)
+
+
+def _row_sampling(msg: Round, device: torch.device) -> RowSampling:
+    """The round's sampling parameters; its rows' generators, seeded from the target's, only
+    where a row samples (a greedy round draws nothing: no generator is made for it)."""
+    gens: list[torch.Generator | None] = [None] * len(msg.seeds)
+    if msg.sampled:
+        gens = [torch.Generator(device=device).manual_seed(seed) for seed in msg.seeds]
+    return RowSampling.build(msg.temperature, msg.top_k, msg.top_p, gens, device)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from multiprocessing import Pipe
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, InProcessD
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import save_draft_vocab
 from dlite_ray.runtime.sampling import RowSampling
-from dlite_ray.serve.dist_transport import DraftServer, PairTransport
+from dlite_ray.serve.dist_transport import DraftServer, PairTransport, serve_rounds
 from dlite_ray.serve.draft_process import start_local_pair
+from dlite_ray.serve.pair_channels import HostPayload, Round, Shutdown
 
 VOCAB = 128
 CPU = torch.device("cpu")
@@ -110,3 +112,44 @@ def test_a_dist_payload_on_one_gpu_is_refused_before_anything_starts(tiny_pair):
     _, _, draft_dir = tiny_pair
     with pytest.raises(ValueError, match="payload='host'"):
         start_local_pair(draft_dir, device="cuda", payload="dist")
+
+
+@pytest.mark.parametrize("greedy", [[True, True, True], [False, True, False]], ids=["greedy", "mixed"])
+def test_the_draft_side_takes_greediness_from_the_header(tiny_pair, greedy):
+    """A round whose rows all draft by argmax tells `propose` so (else it reads draft_greedy
+    back from the device: a host sync on a GPU) and makes no generators; a round with a
+    sampled row gets one per row, and both answer as the draft in process."""
+    _, target, draft_dir = tiny_pair
+    local = InProcessDraftTransport(DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers), "x")
+    calls: list[tuple[list, bool | None]] = []
+
+    class Spy:
+        def parameters(self):
+            return local.draft.parameters()
+
+        def propose(self, *args, all_greedy=None):
+            calls.append((args[3].generators, all_greedy))
+            return local.draft.propose(*args, all_greedy=all_greedy)
+
+    target_end, draft_end = Pipe()
+    server = threading.Thread(target=serve_rounds, args=(Spy(), draft_end, HostPayload(draft_end, CPU), CPU, 30))
+    server.start()
+    request = _request(local.draft, target.cfg.hidden_size, [torch.Generator().manual_seed(i) for i in range(3)])
+    request.draft_greedy = torch.tensor(greedy)
+    sampled = not all(greedy)
+    feats = request.features.to(torch.bfloat16)
+    target_end.send(Round(5, request.token_groups.tolist(), tuple(feats.shape), [0.8] * 3, [0] * 3, [1.0] * 3,
+                          greedy, [11, 12, 13], sampled, VOCAB))
+    HostPayload(target_end, CPU).send([feats])
+    done = target_end.recv()
+    tokens = HostPayload(target_end, CPU).recv([((3, 2, 5), torch.int64)], time.monotonic() + 30)[0][:, 0]
+    if sampled:
+        HostPayload(target_end, CPU).recv([((3, 5, done.width), torch.float32)], time.monotonic() + 30)
+    target_end.send(Shutdown())
+    server.join(30)
+    (generators, all_greedy), = calls
+    assert all_greedy is (not sampled)
+    assert all(g is None for g in generators) if not sampled else all(g is not None for g in generators)
+    seeded = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
+    request.sampling = RowSampling.build([0.8] * 3, [0] * 3, [1.0] * 3, seeded)
+    assert torch.equal(tokens, local.propose(request).tokens)
