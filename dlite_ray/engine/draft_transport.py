@@ -11,6 +11,7 @@ from typing import Protocol
 
 import torch
 
+from dlite_ray.engine.draft_graphs import DraftRoundGraphs
 from dlite_ray.runtime.draft_config import DraftConfig
 from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.runtime.sampling import RowSampling
@@ -58,15 +59,29 @@ class DraftTransport(Protocol):
 
 
 class InProcessDraftTransport:
-    """Same process, same device: a direct call, no copies."""
+    """Same process, same device: a direct call, no copies; greedy rounds from CUDA graphs
+    where `round_graphs` is set (`use_round_graphs`)."""
 
     def __init__(self, draft: DLiteDraftModel, fingerprint: str):
         self.draft = draft
         self.info = DraftInfo.of(fingerprint, draft.cfg)
+        self.round_graphs: DraftRoundGraphs | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.draft.parameters()).device
+
+    def use_round_graphs(self, max_rows: int, capture: bool = True) -> None:
+        """Greedy rounds of up to max_rows rows through CUDA graphs (capture=False: the same
+        padded buffers, eagerly)."""
+        self.round_graphs = DraftRoundGraphs(self.draft, max_rows, capture)
 
     def propose(self, request: DraftRequest) -> DraftProposal:
         if request.features is None:  # the engine sends none only to drafts that read no target layers
             raise ValueError("a DLite draft reads target features; the request has none")
+        graphs = self.round_graphs
+        if graphs is not None and graphs.serves(request.features, request.all_greedy):
+            return graphs.propose(request.features, request.token_groups, request.num_tokens)
         return self.draft.propose(request.features, request.token_groups, request.num_tokens,
                                   request.sampling, request.draft_greedy, request.all_greedy)
 

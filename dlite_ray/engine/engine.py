@@ -10,7 +10,7 @@ from typing import cast
 from dlite_ray.constants import DEFAULT_REPLY_CACHE_NAMESPACES
 from dlite_ray.engine.block_manager import OutOfBlocks
 from dlite_ray.engine.context_lookup import ContextLookup
-from dlite_ray.engine.draft_transport import DraftTransport
+from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.engine_config import DTYPES, EngineConfig, normed_last_tap, tap_layers, verify_lengths
 from dlite_ray.engine.graph_runner import GraphConfig
 from dlite_ray.engine.loading import DraftFactory, default_draft_dir, load_corpus, load_draft, load_parts
@@ -71,6 +71,8 @@ class DLiteEngine:
         taps = tap_layers(draft, cfg.tap_layers, target.cfg.num_layers)
         k, lookup_tokens = verify_lengths(draft, cfg)
         graphs = GraphConfig(query_lens=(1, k + 1) if k else (1,)) if cfg.cuda_graphs else None
+        if graphs is not None and isinstance(draft, InProcessDraftTransport) and draft.device.type == "cuda":
+            draft.use_round_graphs(graphs.max_rows)  # the draft's greedy rounds too
         self.runner = ModelRunner(target, taps, cfg.max_kv_tokens, cfg.block_size, cfg.attention_backend,
                                   normed_last_tap=normed_last_tap(draft, cfg.normed_last_tap), graphs=graphs)
         self.eos_ids = _eos_ids(target, tokenizer)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from dlite_ray.engine.draft_graphs import DraftRoundGraphs
 from dlite_ray.engine.model_runner import ModelRunner, RowInput
 from dlite_ray.engine.sequence import SamplingParams, Sequence
 from dlite_ray.gpu_check.exactness import VERIFY_ROWS
@@ -106,4 +107,8 @@ def draft_times(draft: DLiteDraftModel, batch: int) -> dict:
     sampling = RowSampling.build([0.0] * batch, [0] * batch, [1.0] * batch, [None] * batch, param.device)
     greedy = torch.ones(batch, dtype=torch.bool, device=param.device)
     ms = timed_ms(lambda: draft.propose(features, groups, k, sampling, greedy).tokens.tolist(), param.device)
-    return {"batch": batch, "num_tokens": k, "propose_ms": ms}
+    # the same round through DraftRoundGraphs: a CUDA graph on CUDA, padded eagerly elsewhere
+    graphs = DraftRoundGraphs(draft, batch, capture=param.device.type == "cuda")
+    graph_ms = timed_ms(lambda: graphs.propose(features, groups, k).tokens.tolist(), param.device)
+    return {"batch": batch, "num_tokens": k, "propose_ms": ms, "graph_propose_ms": graph_ms,
+            "graph_captured": graphs.stats.captured, "graph_failed": graphs.stats.failed}

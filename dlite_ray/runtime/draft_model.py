@@ -68,9 +68,10 @@ def build_block_position_ids(group_size: int, num_masks: int, num_slots: int, de
     """Local positions of [context slots ; G real tokens ; masks], counted from the first real
     token: slots at the pivot (one before the anchor), max(G - 2, 0); real tokens 0..G-1;
     masks G..G+num_masks-1."""
-    slots = torch.full((num_slots,), max(group_size - 2, 0), dtype=torch.long)
-    queries = torch.arange(group_size + num_masks, dtype=torch.long)
-    return torch.cat([slots, queries]).to(device)
+    # made on the device: a copy from the host would sync it, which a CUDA graph's capture refuses
+    slots = torch.full((num_slots,), max(group_size - 2, 0), dtype=torch.long, device=device)
+    queries = torch.arange(group_size + num_masks, dtype=torch.long, device=device)
+    return torch.cat([slots, queries])
 
 
 class DLiteDraftModel(nn.Module):

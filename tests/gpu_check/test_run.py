@@ -29,6 +29,8 @@ def test_small_check_writes_every_section_and_all_flags_hold(tmp_path):
     shapes = [(s["batch"], s["context"]) for s in written["steps"]]
     assert [(g["batch"], g["context"]) for g in graphs["steps"]] == shapes
     assert all(g["graph_decode_ms"] > 0 and g["graph_verify_ms"] > 0 for g in graphs["steps"])
+    for row in written["draft"]:  # the round eagerly and through the graph runner's padded buffers
+        assert row["propose_ms"] > 0 and row["graph_propose_ms"] > 0 and row["graph_captured"] == []
     assert written["small_ops"]["mode"] == "off"  # the Triton small operations serve CUDA only
     for row in written["end_to_end"]:
         assert set(row) >= {"batch", "context", "tau", "dlite_tokens_per_second", "ar_tokens_per_second"}
