@@ -26,7 +26,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from dlite_ray.engine.draft_graphs import DraftRoundGraphs
 from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, DraftUnavailable
+from dlite_ray.engine.graph_runner import DEFAULT_GRAPH_ROWS
 from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.runtime.sampling import RowSampling
 from dlite_ray.serve.pair_channels import (
@@ -197,6 +199,9 @@ class DraftServer:
                  host: str = "127.0.0.1", join_timeout_s: float = 60.0):
         self.info = DraftInfo.of(fingerprint, draft.cfg)
         self.draft, self.device, self._authkey, self._join_timeout = draft, device, authkey, join_timeout_s
+        # A CUDA draft's greedy rounds from CUDA graphs, kept across connections (a shape whose
+        # capture fails runs eagerly; a wrong draft could only cost acceptance, never output)
+        self.round_graphs = DraftRoundGraphs(draft, DEFAULT_GRAPH_ROWS) if device.type == "cuda" else None
         self._sock = socket.create_server((host, 0))
         self.address: tuple[str, int] = (host, self._sock.getsockname()[1])
 
@@ -240,7 +245,7 @@ class DraftServer:
             channel.send(channel.recv([((1,), torch.int64)], deadline))
             channel.wait_sent(deadline)
             log.info("draft pair joined (%s payload)", join.payload)
-            serve_rounds(self.draft, conn, channel, self.device, join.group_timeout_s)
+            serve_rounds(self.draft, conn, channel, self.device, join.group_timeout_s, self.round_graphs)
         finally:
             if channel is not None:
                 channel.close()
@@ -248,9 +253,10 @@ class DraftServer:
 
 
 def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, device: torch.device,
-                 timeout_s: float) -> None:
+                 timeout_s: float, round_graphs: DraftRoundGraphs | None = None) -> None:
     """Answer rounds until the target says stop or goes away (EOFError). Waiting for the
-    next round has no deadline; each round's payload has `timeout_s`."""
+    next round has no deadline; each round's payload has `timeout_s`. Greedy rounds go
+    through `round_graphs` where given."""
     dtype = next(draft.parameters()).dtype
     while True:
         msg = conn.recv()
@@ -265,10 +271,13 @@ def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, dev
         feats = None
         if msg.feature_shape is not None:
             feats = payload.recv([(msg.feature_shape, torch.bfloat16)], deadline)[0].to(device, dtype)
-        proposal = draft.propose(feats, torch.tensor(msg.token_groups, dtype=torch.long, device=device),
-                                 msg.num_tokens, _row_sampling(msg, device),
-                                 torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device),
-                                 all_greedy=not msg.sampled)  # known from the header: no read of the device
+        groups = torch.tensor(msg.token_groups, dtype=torch.long, device=device)
+        if round_graphs is not None and round_graphs.serves(feats, not msg.sampled):
+            proposal = round_graphs.propose(feats, groups, msg.num_tokens)
+        else:
+            proposal = draft.propose(feats, groups, msg.num_tokens, _row_sampling(msg, device),
+                                     torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device),
+                                     all_greedy=not msg.sampled)  # known from the header: no read of the device
         out, width = [torch.stack([proposal.tokens, proposal.runners_up], 1).long()], 0
         if msg.sampled:
             probs = proposal.probs.float()

@@ -12,6 +12,7 @@ from multiprocessing import Pipe
 import pytest
 import torch
 
+from dlite_ray.engine.draft_graphs import DraftRoundGraphs
 from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, InProcessDraftTransport
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.draft_vocab import save_draft_vocab
@@ -115,10 +116,12 @@ def test_a_dist_payload_on_one_gpu_is_refused_before_anything_starts(tiny_pair):
 
 
 @pytest.mark.parametrize("greedy", [[True, True, True], [False, True, False]], ids=["greedy", "mixed"])
-def test_the_draft_side_takes_greediness_from_the_header(tiny_pair, greedy):
+@pytest.mark.parametrize("with_graphs", [False, True], ids=["eager", "round graphs"])
+def test_the_draft_side_takes_greediness_from_the_header(tiny_pair, greedy, with_graphs):
     """A round whose rows all draft by argmax tells `propose` so (else it reads draft_greedy
-    back from the device: a host sync on a GPU) and makes no generators; a round with a
-    sampled row gets one per row, and both answer as the draft in process."""
+    back from the device: a host sync on a GPU) and makes no generators, or goes through the
+    round graphs where the server has them; a round with a sampled row gets a generator per
+    row from the draft itself; each answers as the draft in process."""
     _, target, draft_dir = tiny_pair
     local = InProcessDraftTransport(DLiteDraftModel.load(draft_dir, target.embed_tokens, target.cfg.num_layers), "x")
     calls: list[tuple[list, bool | None]] = []
@@ -131,8 +134,10 @@ def test_the_draft_side_takes_greediness_from_the_header(tiny_pair, greedy):
             calls.append((args[3].generators, all_greedy))
             return local.draft.propose(*args, all_greedy=all_greedy)
 
+    graphs = DraftRoundGraphs(local.draft, 4, capture=False) if with_graphs else None
     target_end, draft_end = Pipe()
-    server = threading.Thread(target=serve_rounds, args=(Spy(), draft_end, HostPayload(draft_end, CPU), CPU, 30))
+    server = threading.Thread(target=serve_rounds,
+                              args=(Spy(), draft_end, HostPayload(draft_end, CPU), CPU, 30, graphs))
     server.start()
     request = _request(local.draft, target.cfg.hidden_size, [torch.Generator().manual_seed(i) for i in range(3)])
     request.draft_greedy = torch.tensor(greedy)
@@ -147,9 +152,12 @@ def test_the_draft_side_takes_greediness_from_the_header(tiny_pair, greedy):
         HostPayload(target_end, CPU).recv([((3, 5, done.width), torch.float32)], time.monotonic() + 30)
     target_end.send(Shutdown())
     server.join(30)
-    (generators, all_greedy), = calls
-    assert all_greedy is (not sampled)
-    assert all(g is None for g in generators) if not sampled else all(g is not None for g in generators)
+    if graphs is not None and not sampled:
+        assert not calls and graphs.stats.padded_eager == 1  # the round graphs answered it
+    else:
+        (generators, all_greedy), = calls
+        assert all_greedy is (not sampled)
+        assert all(g is None for g in generators) if not sampled else all(g is not None for g in generators)
     seeded = [torch.Generator().manual_seed(s) for s in (11, 12, 13)]
     request.sampling = RowSampling.build([0.8] * 3, [0] * 3, [1.0] * 3, seeded)
     assert torch.equal(tokens, local.propose(request).tokens)
