@@ -45,6 +45,7 @@ from dlite_ray.serve.pair_channels import (
     Round,
     RoundDone,
     Shutdown,
+    TensorSpec,
     authenticate,
     join_store,
     make_store,
@@ -135,7 +136,7 @@ class PairTransport:
         done = recv_message(self._conn, deadline)  # the draft's compute happens behind this
         if not isinstance(done, RoundDone):
             raise ConnectionError(f"the draft answered a round with {type(done).__name__}")
-        specs = [((n, 2, k), torch.int64)]  # the drafted tokens and, under them, their runners-up
+        specs: list[TensorSpec] = [((n, 2, k), torch.int64)]  # the drafted tokens and, under them, their runners-up
         w = done.width
         if sampled:
             if not 0 < w <= self.vocab_size:
@@ -185,8 +186,9 @@ class PairTransport:
 
 def _seeds(rs: RowSampling, n: int) -> list[int]:
     """One draw from each row's generator seeds the draft's (unseeded rows: fresh seeds)."""
-    if all(gen is not None for gen in rs.generators):
-        return [int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)) for gen in rs.generators]
+    gens = [gen for gen in rs.generators if gen is not None]
+    if len(gens) == len(rs.generators):
+        return [int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device)) for gen in gens]
     return torch.randint(0, 2**62, (n,)).tolist()
 
 
@@ -237,6 +239,7 @@ class DraftServer:
             if not isinstance(join, Join):
                 raise ConnectionError(f"the target opened with {type(join).__name__}")
             if join.payload == "dist":
+                assert join.backend is not None  # PairTransport.connect names one with every dist join
                 store = join_store(join.store_host, join.store_port, self._join_timeout)
                 channel = DistPayload.join(store, DRAFT_RANK, join.backend, host, self.device, join.group_timeout_s)
             else:
@@ -268,9 +271,9 @@ def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, dev
         if not isinstance(msg, Round):
             raise ConnectionError(f"unexpected {type(msg).__name__} between rounds")
         deadline = time.monotonic() + timeout_s
-        feats = None
-        if msg.feature_shape is not None:
-            feats = payload.recv([(msg.feature_shape, torch.bfloat16)], deadline)[0].to(device, dtype)
+        if msg.feature_shape is None:  # as InProcessDraftTransport: only drafts that read no target layers get none
+            raise ValueError("a DLite draft reads target features; the round has none")
+        feats = payload.recv([(msg.feature_shape, torch.bfloat16)], deadline)[0].to(device, dtype)
         groups = torch.tensor(msg.token_groups, dtype=torch.long, device=device)
         if round_graphs is not None and round_graphs.serves(feats, not msg.sampled):
             proposal = round_graphs.propose(feats, groups, msg.num_tokens)
@@ -278,11 +281,14 @@ def serve_rounds(draft: DLiteDraftModel, conn: Connection, payload: Payload, dev
             proposal = draft.propose(feats, groups, msg.num_tokens, _row_sampling(msg, device),
                                      torch.tensor(msg.draft_greedy, dtype=torch.bool, device=device),
                                      all_greedy=not msg.sampled)  # known from the header: no read of the device
+        assert proposal.runners_up is not None  # a DLite draft names them in every round
         out, width = [torch.stack([proposal.tokens, proposal.runners_up], 1).long()], 0
         if msg.sampled:
+            assert proposal.probs is not None  # a round that samples returns its distributions
             probs = proposal.probs.float()
             width = probs.shape[-1]
             if width < msg.vocab_size:
+                assert proposal.prob_ids is not None  # narrower than the vocabulary: a subset head's ids
                 out.append(proposal.prob_ids.long())
             out.append(probs)
         conn.send(RoundDone(width))

@@ -19,8 +19,10 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 import torch
 
@@ -35,6 +37,17 @@ log = logging.getLogger(__name__)
 # one join timeout to load; three rule out a slow start)
 DEFAULT_MAX_JOIN_FAILURES = 3
 DraftFactory = Callable[[torch.device], DLiteDraftModel]
+
+
+class _ConnectArgs(TypedDict):
+    """PairTransport.connect's keyword arguments, the same for every join of a link."""
+
+    vocab_size: int
+    payload: PayloadKind
+    device: torch.device
+    timeout_s: float
+    group_timeout_s: float
+    join_timeout_s: float
 
 
 class DraftLauncher(Protocol):
@@ -73,9 +86,9 @@ class PairLink:
         self._last_join_error = ""
         self.cpu_threads: int | None = None  # what the connected draft process runs on
         self._launcher = launcher
-        self._connect_kwargs = {"vocab_size": vocab_size, "payload": payload, "device": torch.device(device),
-                                "timeout_s": timeout_s, "group_timeout_s": group_timeout_s or 2 * timeout_s,
-                                "join_timeout_s": join_timeout_s}
+        self._connect_kwargs = _ConnectArgs(vocab_size=vocab_size, payload=payload, device=torch.device(device),
+                                            timeout_s=timeout_s, group_timeout_s=group_timeout_s or 2 * timeout_s,
+                                            join_timeout_s=join_timeout_s)
         self._authkey = authkey or os.urandom(32)  # what the launcher's drafts must answer to
         self._retry_s = retry_s
         self._transport: PairTransport | None = None
@@ -166,7 +179,7 @@ class PairLink:
                 if fresh:
                     self._launcher.restart()
                 try:
-                    transport = self._join()
+                    transport: PairTransport | None = self._join()
                 except Exception as exc:  # noqa: BLE001 - keep serving plainly; a fresh draft next
                     self._join_failed(exc)
                     if fresh:
@@ -259,8 +272,8 @@ class LocalDraftProcess:
         self.startup_timeout_s = startup_timeout_s
         self.info: DraftInfo | None = None  # known once a child has started
         self.vocab_size: int | None = None
-        self._proc = None
-        self._pipe = None  # the child exits when this closes (and when this process dies)
+        self._proc: BaseProcess | None = None
+        self._pipe: Connection | None = None  # the child exits when this closes (and when this process dies)
         self._address: tuple[str, int] | None = None
         self._authkey: bytes | None = None
 
@@ -276,6 +289,7 @@ class LocalDraftProcess:
         if not self.alive or authkey != self._authkey:
             self.restart()
             self._start(authkey)
+        assert self._address is not None  # set by the _start of the child that is alive
         return self._address
 
     def _start(self, authkey: bytes) -> None:
@@ -387,6 +401,7 @@ def start_local_pair(draft: str | Path | DraftFactory, *, target: str | Path | N
     process = LocalDraftProcess(source, device, cpu_threads, startup_timeout_s)
     authkey = os.urandom(32)
     process.address(authkey)  # start one child now: its DraftInfo and vocabulary are the link's
+    assert process.info is not None and process.vocab_size is not None  # set by that start
     link = PairLink(process.info, process.vocab_size, process, device=_indexed(target_device or device),
                     payload=payload, timeout_s=timeout_s, group_timeout_s=group_timeout_s,
                     join_timeout_s=join_timeout_s, heartbeat_s=heartbeat_s, authkey=authkey)

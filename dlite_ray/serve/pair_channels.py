@@ -64,7 +64,7 @@ class Round:
 
     num_tokens: int  # K
     token_groups: list[list[int]]  # [N, G]
-    feature_shape: tuple[int, int, int] | None
+    feature_shape: tuple[int, ...] | None  # (N, S, D)
     temperature: list[float]
     top_k: list[int]
     top_p: list[float]
@@ -160,7 +160,8 @@ class HostPayload:
 
     def send(self, tensors: list[torch.Tensor]) -> None:
         for t in tensors:
-            self.conn.send_bytes(_as_bytes(t.detach().to("cpu").contiguous()).numpy())
+            # the array's memoryview: numpy types its buffer protocol only for Python >= 3.12
+            self.conn.send_bytes(_as_bytes(t.detach().to("cpu").contiguous()).numpy().data)
 
     def recv(self, specs: list[TensorSpec], deadline: float) -> list[torch.Tensor]:
         out = []
@@ -194,8 +195,10 @@ class DistPayload:
     def join(cls, store: dist.Store, rank: int, backend: str, host: str, device: torch.device,
              timeout_s: float) -> DistPayload:
         """Build the group (blocks until both ranks join)."""
+        group: dist.ProcessGroupGloo | dist.ProcessGroupNCCL
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            # torch's stubs lack the private _Options (the only options that take devices)
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
             opts._timeout = timedelta(seconds=timeout_s)
             group = dist.ProcessGroupGloo(store, rank, 2, opts)
