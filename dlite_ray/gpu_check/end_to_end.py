@@ -14,8 +14,9 @@ import gc
 
 import torch
 
-from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest
+from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, DraftTransport
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.prompts import Prompt
 from dlite_ray.gpu_check.exactness import IdTokenizer, mean_accept_length, ragged_prompts
 from dlite_ray.runtime.draft_model import DraftProposal
 from dlite_ray.runtime.target_model import TargetModel
@@ -66,20 +67,24 @@ def compare(target: TargetModel, batch: int, context: int, new_tokens: int, cuda
     vocab = target.cfg.vocab_size
     prompts = ragged_prompts(batch, [context - batch], vocab, seed=batch)  # lengths context - batch + i
     kv = batch * (context + new_tokens + 64)
-    knobs = {"max_kv_tokens": kv, "lookup_tokens": 0, "adaptive_draft_length": False, "cuda_graphs": cuda_graphs,
-             "enable_prefix_cache": False}
-    plain = _generate(DLiteEngine(target, IdTokenizer(), None, **knobs), prompts, new_tokens)
+
+    def engine(draft: DraftTransport | None) -> DLiteEngine:
+        return DLiteEngine(target, IdTokenizer(), draft, max_kv_tokens=kv, lookup_tokens=0,
+                           adaptive_draft_length=False, cuda_graphs=cuda_graphs, enable_prefix_cache=False)
+
+    plain = _generate(engine(None), prompts, new_tokens)
     references = [p + r.token_ids for p, r in zip(prompts, plain)]
     oracle = FixedAcceptanceOracle(references, vocab)
-    spec = _generate(DLiteEngine(target, IdTokenizer(), oracle, **knobs), prompts, new_tokens)
+    spec = _generate(engine(oracle), prompts, new_tokens)
     return {"batch": batch, "context": context, "new_tokens": new_tokens, "tau": mean_accept_length(spec),
             "dlite_tokens_per_second": _rate(spec), "ar_tokens_per_second": _rate(plain),
             "greedy_equal": all(a.token_ids == b.token_ids for a, b in zip(plain, spec))}
 
 
 def _generate(engine: DLiteEngine, prompts: list[list[int]], new_tokens: int):
+    batch: list[Prompt] = list(prompts)  # generate's list is invariant: a copy typed as prompts
     try:
-        return engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+        return engine.generate(batch, max_new_tokens=new_tokens, ignore_eos=True)
     finally:
         del engine  # its KV pool, before the next engine allocates one
         gc.collect()

@@ -7,6 +7,7 @@ not assumed: each setting's probe result and its call times."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -50,6 +51,6 @@ def _probe(out_features: int, in_features: int, dtype: torch.dtype, device: torc
     def run(rows: int) -> torch.Tensor:
         return linear(torch.randn(rows, in_features, dtype=dtype, device=device))
 
-    times = {f"rows{r}_ms": timed_ms(lambda r=r: run(r), device) for r in (1, 8, 64, 512)}
+    times = {f"rows{r}_ms": timed_ms(functools.partial(run, r), device) for r in (1, 8, 64, 512)}
     return {"min_rows": fewest_exact_rows.__wrapped__(*key), "large_calls_agree": large_calls_agree.__wrapped__(*key),
             **times}

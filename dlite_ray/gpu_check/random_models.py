@@ -8,7 +8,7 @@ the weights say.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -29,9 +29,18 @@ QWEN3_SMALL: dict[str, Any] = dict(
     QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192)
 
+
+class DraftDims(TypedDict):
+    """random_draft's shape arguments."""
+
+    num_layers: int
+    num_slots: int
+    rank: int
+
+
 # The paper's draft for an 8B target: 5 layers, 7 target layers read, head rank 512.
-DRAFT_8B = {"num_layers": 5, "num_slots": 7, "rank": 512}
-DRAFT_SMALL = {"num_layers": 2, "num_slots": 3, "rank": 16}
+DRAFT_8B: DraftDims = {"num_layers": 5, "num_slots": 7, "rank": 512}
+DRAFT_SMALL: DraftDims = {"num_layers": 2, "num_slots": 3, "rank": 16}
 
 WEIGHT_STD = 0.02  # the usual init scale: activations stay finite through 36 layers
 
@@ -83,7 +92,10 @@ def random_draft(target: TargetModel | None, hf: dict[str, Any], num_layers: int
     public release's conventions: what a Qwen3-8B deployment loads (its last tap final-normed,
     every round's backbone over B - 1 masks)."""
     cfg = DraftConfig.for_target(hf, num_layers, num_slots, rank, mask_token_id=0, conventions=PUBLIC_CONVENTIONS)
-    embedding = embedding if embedding is not None else target.embed_tokens
+    if embedding is None:
+        if target is None:
+            raise ValueError("random_draft needs the target or its embedding")
+        embedding = target.embed_tokens
     draft = _built_on(embedding.weight.device, embedding.weight.dtype, lambda: DLiteDraftModel(cfg, embedding))
     _fill_random(draft, seed, skip=(embedding.weight,))  # the target's, shared
     draft.eval()
@@ -91,7 +103,7 @@ def random_draft(target: TargetModel | None, hf: dict[str, Any], num_layers: int
     return draft
 
 
-def draft_in_child(hf: dict[str, Any], draft_dims: dict[str, int], dtype: str, device: torch.device) -> DLiteDraftModel:
+def draft_in_child(hf: dict[str, Any], draft_dims: DraftDims, dtype: str, device: torch.device) -> DLiteDraftModel:
     """The draft `random_draft` builds beside `random_target`, rebuilt in a draft process
     (a picklable factory: functools.partial over the first three arguments)."""
     embedding = random_embedding(hf, getattr(torch, dtype), device)

@@ -27,7 +27,15 @@ from dlite_ray.constants import KV_BLOCK_SIZE
 from dlite_ray.engine.graph_runner import GraphConfig, is_graph_safe
 from dlite_ray.engine.model_runner import ModelRunner
 from dlite_ray.gpu_check import end_to_end, exactness, gemm_settings, timing, transport
-from dlite_ray.gpu_check.random_models import DRAFT_8B, DRAFT_SMALL, QWEN3_8B, QWEN3_SMALL, random_draft, random_target
+from dlite_ray.gpu_check.random_models import (
+    DRAFT_8B,
+    DRAFT_SMALL,
+    QWEN3_8B,
+    QWEN3_SMALL,
+    DraftDims,
+    random_draft,
+    random_target,
+)
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention import make_backend
 from dlite_ray.runtime.attention.flash import flash_attn_available
@@ -38,7 +46,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class CheckPlan:
     target: dict[str, Any]
-    draft: dict[str, int]
+    draft: DraftDims
     prompt_lengths: list[int]  # ragged prompts for the equality checks
     new_tokens: int
     row_contexts: list[int]  # contexts of the row-exactness batch (one per sequence)

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from dlite_ray.engine.draft_transport import DraftRequest, InProcessDraftTransport
+from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.prompts import Prompt
 from dlite_ray.gpu_check.exactness import IdTokenizer, mean_accept_length, ragged_prompts
-from dlite_ray.gpu_check.random_models import draft_in_child
+from dlite_ray.gpu_check.random_models import DraftDims, draft_in_child
 from dlite_ray.runtime.draft_model import DLiteDraftModel
 from dlite_ray.runtime.sampling import RowSampling
 from dlite_ray.runtime.target_model import TargetModel
@@ -23,7 +24,7 @@ ROUND_TIMEOUT_S = 10.0
 RECONNECT_WAIT_S = 120.0
 
 
-def one_device_pair(target: TargetModel, draft: DLiteDraftModel, hf: dict[str, Any], draft_dims: dict[str, int],
+def one_device_pair(target: TargetModel, draft: DLiteDraftModel, hf: dict[str, Any], draft_dims: DraftDims,
                     prompt_lengths: list[int], new_tokens: int) -> dict:
     device = next(target.parameters()).device
     dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
@@ -45,11 +46,15 @@ def one_device_pair(target: TargetModel, draft: DLiteDraftModel, hf: dict[str, A
 def _killed_draft_drill(target, link, handle, prompt_lengths: list[int], new_tokens: int) -> dict:
     """Greedy generation through the pair, the draft killed after a few steps: the engine
     decodes plainly while the link brings a fresh draft up; the reply is plain decoding's."""
-    prompts = ragged_prompts(4, prompt_lengths, target.cfg.vocab_size, seed=99)
-    kw = {"max_kv_tokens": 32768, "lookup_tokens": 0, "adaptive_draft_length": False}
-    plain = DLiteEngine(target, IdTokenizer(), None, **kw).generate(prompts, max_new_tokens=new_tokens,
-                                                                    ignore_eos=True)
-    engine = DLiteEngine(target, IdTokenizer(), link, **kw)
+    # generate's list is invariant: a copy typed as prompts
+    prompts: list[Prompt] = list(ragged_prompts(4, prompt_lengths, target.cfg.vocab_size, seed=99))
+
+    def make_engine(draft: DraftTransport | None) -> DLiteEngine:
+        return DLiteEngine(target, IdTokenizer(), draft, max_kv_tokens=32768, lookup_tokens=0,
+                           adaptive_draft_length=False)
+
+    plain = make_engine(None).generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    engine = make_engine(link)
     steps = {"n": 0}
 
     def kill_after_three(index: int, tokens: list[int]) -> None:
