@@ -28,7 +28,7 @@ from dlite_ray.training.batches import all_anchors
 from dlite_ray.training.data import Record, answer_prompts, dataset_bytes, label_counts, load_records, save_records
 from dlite_ray.training.prompts import agent_eval_turns, build_prompt_set, turns_of
 from dlite_ray.training.teacher import WindowTeacher, adopt_teacher_head, blend_objective, teacher_objective
-from dlite_ray.training.trainer import TrainConfig, greedy_acceptance, student_objective, train
+from dlite_ray.training.trainer import TrainConfig, TrainData, greedy_acceptance, student_objective, train
 from dlite_ray.training.vocabulary import Vocab, vocab_of
 
 log = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ def choose_draft_vocab(records: Iterable[Record], size: int, vocab_size: int) ->
     counts = label_counts(records, vocab_size)
     ids = frequent_tokens(counts, size)
     log.info("draft vocabulary: %d tokens, covering %.2f%% of %d training labels", ids.numel(),
-             100 * counts[ids].sum() / max(1, counts.sum()), counts.sum())
+             100 * counts[ids].sum() / counts.sum().clamp(min=1), counts.sum())
     return ids
 
 
@@ -250,7 +250,7 @@ def _warn_if_widened(directory: str | Path, ids: torch.Tensor | None, vocab_size
                     "that vocabulary (dlite-ray train does) never trained their rows", directory, added)
 
 
-def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: tuple, cfg: TrainConfig, out: Path,
+def train_two_stage(engine: DLiteEngine, draft: DLiteDraftModel, data: TrainData, cfg: TrainConfig, out: Path,
                     args, vocab: Vocab) -> dict:
     """Teacher (--teacher-steps), then the student: --blend-steps of KL blended into CE + TV
     under the teacher's frozen head, then the rest of --steps with everything trainable."""
@@ -304,7 +304,7 @@ def run(args) -> dict:
     dev_anchors = all_anchors(dev_records, k)
     vocab_ids = training_vocabulary(train_records, args, draft.cfg.layers.vocab_size)
     vocab = vocab_of(vocab_ids, draft.cfg.layers.vocab_size)
-    data = (train_records, all_anchors(train_records, k), dev_records, dev_anchors, k)
+    data: TrainData = (train_records, all_anchors(train_records, k), dev_records, dev_anchors, k)
     initial_dev = None
     if args.init_from:  # so a drop from continued training shows at the first eval, not the last
         initial_dev = greedy_acceptance(student_objective(draft, cfg, vocab), dev_records, dev_anchors, k)

@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import tempfile
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -139,7 +140,8 @@ def build_prompt_set(seed: int = 0, per_source: int = BASE_PER_SOURCE, dev_fract
     return PromptSet(train=train, dev=dev)
 
 
-def select_agent_loops(rng: random.Random, count: int, held_out_turns: set[str] = frozenset()) -> list[PromptSample]:
+def select_agent_loops(rng: random.Random, count: int,
+                       held_out_turns: Iterable[str] = frozenset()) -> list[PromptSample]:
     """`count` distinct BFCL conversations of up to MAX_AGENT_TURNS user turns each, none
     sharing a turn with the agentic benchmark's pool or with `held_out_turns`."""
     data = bfcl_data_dir()
@@ -320,7 +322,8 @@ def _functions_in(paths: list[Path], count: int, skip: int, per_file: int) -> li
         except (SyntaxError, UnicodeDecodeError):
             continue
         fitting = (node for node in ast.walk(tree)
-                   if isinstance(node, ast.FunctionDef) and 6 <= node.end_lineno - node.lineno <= 30)
+                   if isinstance(node, ast.FunctionDef) and node.end_lineno is not None
+                   and 6 <= node.end_lineno - node.lineno <= 30)
         for node in itertools.islice(fitting, skip, skip + per_file):
             text = ast.get_source_segment(source, node)
             if text:

@@ -36,6 +36,8 @@ class WindowTeacher(nn.Module):
         self.fuse_norm = RMSNorm(d, draft.cfg.layers.rms_norm_eps)
 
     def head_logits(self, batch: Batch, vocab: Vocab = None) -> torch.Tensor:
+        # the teacher's and the blend's objectives make their batches with the teacher's window
+        assert batch.history is not None and batch.history_valid is not None
         states = self.fuse_norm(self.fuse(batch.history.flatten(2).to(batch.features.dtype)))
         distances = torch.arange(self.window, 0, -1, device=states.device)
         return draft_logits(self.draft, batch, HistoryWindow(states, distances, batch.history_valid), vocab)

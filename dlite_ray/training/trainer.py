@@ -55,6 +55,8 @@ class TrainConfig:
 
 Loss = Callable[[Batch, float, Vocab], tuple[torch.Tensor, dict[str, float]]]  # (batch, progress 0..1, vocab)
 HeadLogits = Callable[[Batch, Vocab], torch.Tensor]  # teacher-forced head logits [N, K, V], or [N, K, M] over vocab
+# `train`'s data: (records, anchors, dev records, dev anchors, K)
+TrainData = tuple[list[Record], list[tuple[int, int]], list[Record], list[tuple[int, int]], int]
 
 
 @dataclass(slots=True)
@@ -153,7 +155,7 @@ def decode_walk(anchors: list[tuple[int, int]], accepted: list[int]) -> list[int
         first[r] = min(j, first.get(r, j))
     rounds = []
     for r, j in first.items():
-        i = index[(r, j)]
+        i: int | None = index[(r, j)]
         while i is not None:
             rounds.append(i)
             i = index.get((r, anchors[i][1] + accepted[i] + 1))
@@ -208,11 +210,11 @@ def train(objective: Objective, records: list[Record], anchors: list[tuple[int, 
         step += 1
         bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}", **{k_: f"{v:.3f}" for k_, v in parts.items()})
-        entry = {"step": step, "loss": loss.item(), **parts}
+        entry: dict[str, object] = {"step": step, "loss": loss.item(), **parts}
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            entry["dev"] = greedy_acceptance(objective, dev_records, dev_anchors, k)
+            entry["dev"] = dev = greedy_acceptance(objective, dev_records, dev_anchors, k)
             log.info("%s step %d loss %.3f dev tau %.3f (walk %.3f) per-position %s", label, step, loss.item(),
-                     entry["dev"]["tau"], entry["dev"]["walk_tau"], [round(x, 2) for x in entry["dev"]["per_position"]])
+                     dev["tau"], dev["walk_tau"], [round(x, 2) for x in dev["per_position"]])
         history.append(entry)
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             torch.save({"model": trainable_state(model), "opt": opt.state_dict(), "step": step,
