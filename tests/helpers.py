@@ -6,6 +6,7 @@ import torch
 
 from dlite_ray.engine.model_runner import ModelRunner, RowInput
 from dlite_ray.engine.sequence import SamplingParams, Sequence
+from dlite_ray.engine.speculation_policy import RowOffer
 
 
 def new_runner(model, tap_layers=(), max_kv_tokens=4096, block_size=16) -> ModelRunner:
@@ -61,3 +62,13 @@ def chi2_pvalue(samples, probs) -> float:
     assert counts[~keep].sum() == 0, "sampled a token of probability zero"
     expected = probs[keep] / probs[keep].sum() * counts.sum()
     return chisquare(counts[keep], expected).pvalue
+
+
+def offers(seqs: list[Sequence], caps: list[int], copy_caps: list[int] | None = None,
+           from_reply: list[bool] | None = None, forced: list[bool] | None = None) -> list[RowOffer]:
+    """What each row could verify, as SpeculationPolicy.choose weighs it: a draft of up to
+    caps[i] tokens, or a copy of copy_caps[i] tokens (their values do not matter to it)."""
+    n = len(seqs)
+    copy_caps, from_reply, forced = copy_caps or [0] * n, from_reply or [False] * n, forced or [False] * n
+    return [RowOffer(s, cap, [0] * copy, reply, must)
+            for s, cap, copy, reply, must in zip(seqs, caps, copy_caps, from_reply, forced, strict=True)]

@@ -74,7 +74,10 @@ class NgramIndex:
 
 
 class ContextLookup:
-    """One NgramIndex per live sequence (dropped with the sequence)."""
+    """One NgramIndex per live sequence (dropped with the sequence). The first copy source
+    a round asks (copy_sources.py)."""
+
+    earlier_replies = False  # it copies from the row's own context
 
     def __init__(self, max_tokens: int, alternatives: bool = False):
         """alternatives: `alternatives` will be asked for (tree verification), so 1-grams are

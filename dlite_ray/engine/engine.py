@@ -10,6 +10,7 @@ from typing import cast
 from dlite_ray.constants import DEFAULT_REPLY_CACHE_NAMESPACES
 from dlite_ray.engine.block_manager import OutOfBlocks
 from dlite_ray.engine.context_lookup import ContextLookup
+from dlite_ray.engine.copy_sources import copy_sources
 from dlite_ray.engine.draft_transport import DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.engine_config import DTYPES, EngineConfig, normed_last_tap, tap_layers, verify_lengths
 from dlite_ray.engine.graph_runner import GraphConfig
@@ -84,8 +85,8 @@ class DLiteEngine:
         self.corpus = corpus if cfg.reply_corpus and lookup_tokens else None
         tree_tokens = cfg.tree_tokens if lookup_tokens else 0  # branches are copies from the context
         lookup = ContextLookup(lookup_tokens, alternatives=bool(tree_tokens))
-        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, lookup, self.reply_cache, tree_tokens,
-                                   self.corpus)
+        self.decoder = SpecDecoder(self.runner, draft, self.eos_ids, self.policy, lookup,
+                                   copy_sources(lookup, self.reply_cache, self.corpus), tree_tokens)
         reuse = KVReuse(target.fingerprint(), draft.info.fingerprint if draft else "none",
                         resume_boundaries=draft is not None, recompute_pivot=draft is not None and bool(taps))
         lookahead = max(k, lookup_tokens) + 1 + tree_tokens  # a row's anchor, main proposal and branches

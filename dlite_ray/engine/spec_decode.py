@@ -26,14 +26,13 @@ import torch.nn.functional as F
 
 from dlite_ray.engine.candidate_tree import CandidateTree, walk_greedy, walk_sampled
 from dlite_ray.engine.context_lookup import ContextLookup
+from dlite_ray.engine.copy_sources import CopySource, copy_sources
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, DraftUnavailable
 from dlite_ray.engine.logprobs import token_logprobs
 from dlite_ray.engine.model_runner import ModelRunner, RowInput, RowOutput
-from dlite_ray.engine.reply_cache import ReplyCache
-from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.engine.scheduler import Schedule
 from dlite_ray.engine.sequence import Sequence
-from dlite_ray.engine.speculation_policy import SpeculationPolicy
+from dlite_ray.engine.speculation_policy import RowOffer, SpeculationPolicy
 from dlite_ray.engine.structured_output import mask_rows
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.sampling import (
@@ -52,21 +51,36 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
+class ProposedRow:
+    """One decode row's part of a round: its candidates after the anchor, and where they came from."""
+
+    seq: Sequence
+    tree: CandidateTree  # its main proposal (nodes 1..main; none: plain decoding), and other branches where any
+    copied: bool = False  # the main proposal was copied (its context, an earlier reply, its grammar), not drafted
+    from_reply: bool = False  # copied from an earlier reply or the reply corpus
+    drafted: int = 0  # tokens drafted for it (0 where copied, plain, or the draft call failed)
+    q_probs: torch.Tensor | None = None  # the draft's distributions of its drafted tokens (sampled drafting)
+
+    @property
+    def main(self) -> list[int]:
+        return self.tree.tokens[1:self.tree.main + 1]
+
+
+@dataclass(slots=True)
 class RoundProposal:
     """What each decode row verifies after its anchor in one step."""
 
-    tokens: list[list[int]]  # copied or drafted; [] decodes plainly
-    copied: list[bool]
-    from_reply: list[bool]  # copied from an earlier reply (reply_cache.py, reply_corpus.py), not the context
-    drafted: list[int]  # tokens drafted per row (0 where copied, plain, or the draft call failed)
-    q_probs: dict[int, torch.Tensor] | None  # the draft distributions of sampled rows, by row
-    draft_time: float
-    draft_failed: bool
-    trees: list[CandidateTree]  # per row: its main proposal after the anchor, and other branches where any
+    rows: list[ProposedRow]
+    draft_time: float = 0.0
+    draft_failed: bool = False
 
     @property
     def lengths(self) -> list[int]:
-        return [len(t) for t in self.tokens]
+        return [row.tree.main for row in self.rows]
+
+    @property
+    def drafted(self) -> list[int]:
+        return [row.drafted for row in self.rows]
 
 
 class SpecDecoder:
@@ -74,16 +88,15 @@ class SpecDecoder:
     MAX_BRANCHES = 4
 
     def __init__(self, runner: ModelRunner, draft: DraftTransport | None, eos_ids: tuple[int, ...],
-                 policy: SpeculationPolicy, lookup: ContextLookup | None = None, replies: ReplyCache | None = None,
-                 tree_tokens: int = 0, corpus: ReplyCorpus | None = None):
-        """lookup: copies from each row's context; replies: earlier replies of the row's
-        namespace, copied where the context has no match, and corpus: the target's replies
-        that trained the draft, where neither has one (all within lookup.max_tokens per round);
-        tree_tokens: at most this many tokens of other continuations verified next to a row's
-        main proposal."""
+                 policy: SpeculationPolicy, lookup: ContextLookup | None = None,
+                 sources: list[CopySource] | None = None, tree_tokens: int = 0):
+        """lookup: copies from each row's context (lookup.max_tokens bounds every copy, and
+        its other continuations are a tree's branches); sources: where copies come from, in
+        order (copy_sources.py; default: the lookup alone); tree_tokens: at most this many
+        tokens of other continuations verified next to a row's main proposal."""
         self.runner, self.draft, self.eos_ids, self.policy = runner, draft, eos_ids, policy
         self.lookup = lookup or ContextLookup(0)
-        self.replies, self.corpus = replies, corpus
+        self.sources = sources if sources is not None else copy_sources(self.lookup)
         self.tree_tokens = tree_tokens if runner.verifies_trees else 0
 
     def step(self, schedule: Schedule) -> dict[Sequence, list[int]]:
@@ -91,18 +104,17 @@ class SpecDecoder:
         decodes = schedule.decodes
         proposal = self._propose_round(decodes, sum(n for _, n in schedule.prefills), schedule.spare_tokens)
         rows = [RowInput(s, s.token_ids[s.num_computed:s.num_computed + n]) for s, n in schedule.prefills]
-        rows += [RowInput(s, tree.tokens, len(tree.tokens), None if tree.is_chain else tree.parents)
-                 for s, tree in zip(decodes, proposal.trees)]
+        rows += [RowInput(r.seq, r.tree.tokens, len(r.tree.tokens), None if r.tree.is_chain else r.tree.parents)
+                 for r in proposal.rows]
         branches: list[list[int]] = []
         next_tokens: list[int] = []
         with _timer(self.runner.device) as t:
             outs = self.runner.run(rows, schedule.copies)
             if decodes:
-                branches, next_tokens = self._verify(decodes, proposal, outs[len(schedule.prefills):])
+                branches, next_tokens = self._verify(proposal.rows, outs[len(schedule.prefills):])
         self.policy.observe(sum(len(r.tokens) for r in rows), t.elapsed, proposal.draft_time, proposal.drafted)
         self._commit_prefills(schedule.prefills, outs, t.elapsed)
-        emitted = self._commit_decodes(decodes, proposal, branches, next_tokens, outs[len(schedule.prefills):],
-                                       t.elapsed)
+        emitted = self._commit_decodes(proposal, branches, next_tokens, outs[len(schedule.prefills):], t.elapsed)
         # Only decode-only steps measure speculating (drafting or copying) against plain
         # decoding; a failed draft call would blur that comparison.
         if decodes and not schedule.prefills and not proposal.draft_failed:
@@ -113,24 +125,41 @@ class SpecDecoder:
     def _propose_round(self, decodes: list[Sequence], prefill_tokens: int, room: int | None = None) -> RoundProposal:
         """What each decode row verifies this step: a copy (from its context or an earlier
         reply), a draft, or nothing (plain decoding), as the policy allocates."""
-        caps = [self._max_draft(s) for s in decodes]
-        proposed = [self._copy(s) for s in decodes]  # (tokens, from an earlier reply, forced by a grammar) per row
-        ks = self.policy.choose(decodes, caps, prefill_tokens, [len(c) for c, _, _ in proposed],
-                                [reply for _, reply, _ in proposed], [forced for _, _, forced in proposed], room)
-        copies = [c[:k] for (c, _, _), k in zip(proposed, ks)]  # what the policy kept of each copy
+        offers = [self._offer(s) for s in decodes]
+        ks = self.policy.choose(offers, prefill_tokens, room)
+        copies = [o.copy[:k] for o, k in zip(offers, ks)]  # what the policy kept of each copy
         draft_ks = [0 if c else k for c, k in zip(copies, ks)]
         drafts, runners_up, q_probs, draft_time, failed = self._draft(decodes, draft_ks)
-        tokens = [c or d for c, d in zip(copies, drafts)]
-        from_reply = [bool(c) and reply for c, (_, reply, _) in zip(copies, proposed)]
-        trees = [CandidateTree.chain(s.anchor, t, q_probs.get(i) if q_probs and not c and s.params.mode == REJECTION
-                                     else None)  # a greedy draft's tokens were not drawn from its q
-                 for i, (s, t, c) in enumerate(zip(decodes, tokens, copies))]
+        rows = []
+        for i, (offer, copy, drafted) in enumerate(zip(offers, copies, drafts)):
+            seq, q = offer.seq, q_probs.get(i) if q_probs else None
+            # a greedy draft's tokens were not drawn from its q: only a rejection row's tree keeps it
+            tree = CandidateTree.chain(seq.anchor, copy or drafted,
+                                       q if not copy and seq.params.mode == REJECTION else None)
+            rows.append(ProposedRow(seq, tree, bool(copy), bool(copy) and offer.from_reply, len(drafted), q))
         left = None if room is None else room - sum(ks)  # the step's budget, for branches
-        for seq, tree, others in zip(decodes, trees, runners_up):
-            added = self._branch_out(seq, tree, others, left)
+        for row, others in zip(rows, runners_up):
+            added = self._branch_out(row.seq, row.tree, others, left)
             left = None if left is None else left - added
-        return RoundProposal(tokens, [bool(c) for c in copies], from_reply, [len(d) for d in drafts], q_probs,
-                             draft_time, failed, trees)
+        return RoundProposal(rows, draft_time, failed)
+
+    def _offer(self, seq: Sequence) -> RowOffer:
+        """What the row could verify: what its grammar forces next, else the first copy a
+        source has (copy_sources.py; one from earlier replies only where the policy lets it
+        take the round from the draft), and how far it could draft."""
+        cap = self._max_draft(seq)
+        limit = min(self._room(seq), self.lookup.max_tokens)
+        forced = seq.grammar.forced_tokens(limit) if seq.grammar else []
+        if forced:
+            return RowOffer(seq, cap, forced, forced=True)
+        for source in self.sources:
+            copy = source.propose(seq, limit)
+            if not copy:
+                continue
+            if source.earlier_replies and not self.policy.copies_from_replies(seq, can_draft=cap > 0):
+                return RowOffer(seq, cap)  # such copies have passed less often than this row's drafts
+            return RowOffer(seq, cap, copy, from_reply=source.earlier_replies)
+        return RowOffer(seq, cap)
 
     def _branch_out(self, seq: Sequence, tree: CandidateTree, runners_up: list[int], step_room: int | None) -> int:
         """Branches next to the row's main proposal, within the tokens the policy finds worth
@@ -163,17 +192,15 @@ class SpecDecoder:
             if seq.num_to_prefill == 0:
                 seq.pivot_features = out.taps[-1] if out.taps is not None else None
 
-    def _commit_decodes(self, decodes: list[Sequence], proposal: RoundProposal, branches: list[list[int]],
-                        next_tokens: list[int], outs: list[RowOutput], seconds: float) -> dict[Sequence, list[int]]:
+    def _commit_decodes(self, proposal: RoundProposal, branches: list[list[int]], next_tokens: list[int],
+                        outs: list[RowOutput], seconds: float) -> dict[Sequence, list[int]]:
         """Each row keeps its accepted branch and the target's next token, its KV ends there and
         it takes its next pivot features from the verify pass at the branch's last node."""
         emitted = {}
         now = time.perf_counter()
-        for i, seq in enumerate(decodes):
-            branch, out, tree, copied = branches[i], outs[i], proposal.trees[i], proposal.copied[i]
-            a = len(branch) - 1
-            kept = emitted[seq] = seq.append_tokens([tree.tokens[j] for j in branch[1:]] + [next_tokens[i]],
-                                                    self.eos_ids)
+        for row, branch, next_token, out in zip(proposal.rows, branches, next_tokens, outs):
+            seq, tree = row.seq, row.tree
+            kept = emitted[seq] = seq.append_tokens([tree.tokens[j] for j in branch[1:]] + [next_token], self.eos_ids)
             if seq.grammar is not None:
                 seq.grammar.advance(kept)
                 if seq.grammar.error is not None:  # a parser limit met mid-reply: not a "stop"
@@ -185,47 +212,27 @@ class SpecDecoder:
                 seq.logprobs += token_logprobs(out.logits[rows], kept, seq.params.logprobs)
             if not tree.is_chain:
                 self.runner.keep_branch(seq, branch)
-            seq.num_computed += a + 1  # the KV of rejected candidates is cropped by the scheduler's postprocess
+            seq.num_computed += len(branch)  # the KV of rejected candidates is cropped by the scheduler's postprocess
             seq.pivot_features = out.taps[branch[-1]] if out.taps is not None else None
-            st = seq.stats
-            if st.first_token_time is None:
-                st.first_token_time = now
-            main = tree.main_accepted(branch)
-            st.record_round(tree.main, a, copied=copied, from_reply=proposal.from_reply[i], main_accepted=main)
-            self.policy.record(seq, tree.main, main, copied=copied, from_reply=proposal.from_reply[i])
-            if tree.num_candidates > tree.main:
-                self.policy.record_branches(tree.num_candidates - tree.main, a - main)
-            if proposal.drafted[i]:
-                st.draft_time += proposal.draft_time  # the draft call it took part in
-            st.verify_time += seconds
-            st.decode_wall_time = now - st.first_token_time
-            st.last_token_time = now
+            self._record(row, branch, proposal.draft_time, seconds, now)
         return emitted
 
-    def _copy(self, seq: Sequence) -> tuple[list[int], bool, bool]:
-        """Tokens to verify without drafting, whether an earlier reply gave them and whether
-        the grammar forces them: what the request's grammar forces next, else what followed
-        its last tokens earlier in its context, else in an earlier reply (all only where
-        copying is on)."""
-        limit = min(self._room(seq), self.lookup.max_tokens)
-        forced = seq.grammar.forced_tokens(limit) if seq.grammar else []
-        if forced:
-            return forced, False, True
-        copied = self.lookup.propose(seq, limit)
-        if copied:
-            return copied, False, False
-        copied = self._from_replies(seq, limit)
-        if copied and not self.policy.copies_from_replies(seq, can_draft=self._max_draft(seq) > 0):
-            return [], False, False  # such copies have passed less often than this row's drafts
-        return copied, bool(copied), False
-
-    def _from_replies(self, seq: Sequence, limit: int) -> list[int]:
-        """What followed the row's last tokens in an earlier reply of its namespace, else in
-        the corpus of the target's replies; [] where neither holds them (or neither is on)."""
-        copied = self.replies.propose(seq.namespace, seq.token_ids, limit) if self.replies is not None else []
-        if not copied and self.corpus is not None:
-            copied = self.corpus.propose(seq.token_ids, limit)
-        return copied
+    def _record(self, row: ProposedRow, branch: list[int], draft_seconds: float, verify_seconds: float,
+                now: float) -> None:
+        """A row's round, in one place: its request's stats and the policy's evidence."""
+        tree, st = row.tree, row.seq.stats
+        accepted, main = len(branch) - 1, tree.main_accepted(branch)
+        st.record_round(tree.main, accepted, copied=row.copied, from_reply=row.from_reply, main_accepted=main)
+        self.policy.record(row.seq, tree.main, main, copied=row.copied, from_reply=row.from_reply)
+        if tree.num_candidates > tree.main:
+            self.policy.record_branches(tree.num_candidates - tree.main, accepted - main)
+        if st.first_token_time is None:
+            st.first_token_time = now
+        if row.drafted:
+            st.draft_time += draft_seconds  # the draft call it took part in
+        st.verify_time += verify_seconds
+        st.decode_wall_time = now - st.first_token_time
+        st.last_token_time = now
 
     def _room(self, seq: Sequence) -> int:
         """The most tokens a round can verify after the anchor: within the output budget and the context."""
@@ -276,26 +283,21 @@ class SpecDecoder:
         q_probs = {i: probs[j, :ks[i]] for j, i in enumerate(rows)} if probs is not None else None
         return drafts, runners_up, q_probs, t.elapsed, False
 
-    def _verify(self, seqs: list[Sequence], proposal: RoundProposal,
-                outs: list[RowOutput]) -> tuple[list[list[int]], list[int]]:
+    def _verify(self, rows: list[ProposedRow], outs: list[RowOutput]) -> tuple[list[list[int]], list[int]]:
         """-> each row's kept branch (node indices from the anchor) and the target's next token."""
         # A tree that stayed a chain but grew past its main proposal (a longer copy of the
         # same continuation) is walked too: its extra nodes are candidates to verify.
-        walked = [tree.num_candidates > tree.main for tree in proposal.trees]
+        walked = [row.tree.num_candidates > row.tree.main for row in rows]
         trees = [i for i, w in enumerate(walked) if w]
         chains = [i for i, w in enumerate(walked) if not w]
-        branches: list[list[int]] = [[] for _ in seqs]
-        next_tokens = [0] * len(seqs)
+        branches: list[list[int]] = [[] for _ in rows]
+        next_tokens = [0] * len(rows)
         if chains:
-            sub = [seqs[i] for i in chains]
-            modes = [_verify_mode(seqs[i], proposal.copied[i]) for i in chains]
-            a, n = self._verify_chains(sub, modes, [proposal.tokens[i] for i in chains],
-                                       [proposal.q_probs.get(i) if proposal.q_probs else None for i in chains],
-                                       [outs[i] for i in chains])
+            a, n = self._verify_chains([rows[i] for i in chains], [outs[i] for i in chains])
             for i, accepted, token in zip(chains, a, n):
                 branches[i], next_tokens[i] = list(range(accepted + 1)), token
         for i in trees:
-            branches[i], next_tokens[i] = self._verify_tree(seqs[i], proposal.trees[i], outs[i].logits)
+            branches[i], next_tokens[i] = self._verify_tree(rows[i].seq, rows[i].tree, outs[i].logits)
         return branches, next_tokens
 
     @staticmethod
@@ -305,15 +307,16 @@ class SpecDecoder:
         p = probabilities(logits[None], _row_sampling([seq], logits.device))[0]
         return walk_sampled(tree, p, seq.generator)
 
-    def _verify_chains(self, seqs: list[Sequence], modes: list[str], drafts: list[list[int]],
-                       q_rows: list[torch.Tensor | None], outs: list[RowOutput]):
+    def _verify_chains(self, rows: list[ProposedRow], outs: list[RowOutput]) -> tuple[list[int], list[int]]:
         """Rows whose candidates are one chain -> (A, next token), a list each: vectorised over
         the rows, except greedy ones on the CPU, which go row by row."""
+        seqs, drafts = [r.seq for r in rows], [r.main for r in rows]
+        modes = [_verify_mode(r.seq, r.copied) for r in rows]
         if outs[0].logits.device.type == "cpu" and all(m == GREEDY and s.grammar is None for s, m in zip(seqs, modes)):
             # On the CPU one batched call saves nothing: each row's argmax where its logits lie,
             # without stacking them into a padded copy (~0.2 ms a step of 8 rows).
-            rows = [verify_greedy_row(fused_ops.argmax(o.logits).tolist(), d) for o, d in zip(outs, drafts)]
-            return [a for a, _ in rows], [t for _, t in rows]
+            verified = [verify_greedy_row(fused_ops.argmax(o.logits).tolist(), d) for o, d in zip(outs, drafts)]
+            return [a for a, _ in verified], [t for _, t in verified]
         ks = [len(d) for d in drafts]
         width = max(ks) + 1
         logits = torch.stack([F.pad(o.logits, (0, 0, 0, width - o.logits.shape[0])) for o in outs])  # [B, W, V]
@@ -339,7 +342,7 @@ class SpecDecoder:
                 if mode == MATCH:
                     a, t = verify_match(p, draft_t[it], num[it], rs.generators)
                 else:
-                    q = _stack_q([q_rows[i] for i in idx], width - 1, p)
+                    q = _stack_q([rows[i].q_probs for i in idx], width - 1, p)
                     a, t = verify_rejection(p, q, draft_t[it], num[it], rs.generators)
             accepted[it], next_tokens[it] = a, t
         accepted, next_tokens = torch.stack([accepted, next_tokens]).tolist()  # the step's one read of the verify

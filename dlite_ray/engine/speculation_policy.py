@@ -17,7 +17,7 @@ are held to it too: in the first `make bench` run, copies the cost
 model let through made compute-bound steps slower than plain decoding (0.83x at 16 requests
 in flight, 0.75x at 32; 0.94x and 0.88x once copies answered to the guard), while at batch 1
 they are what agent turns gain most from, and the measured rate says so. What a grammar
-forces is exempt (`choose`'s `forced`): those tokens are certain.
+forces is exempt (a `RowOffer`'s `forced`): those tokens are certain.
 
 Rows that copy from their context (`context_lookup.py`) are allocated by the same model:
 their tokens cost forward time but no draft call, and each is accepted with the row's own
@@ -46,10 +46,21 @@ from __future__ import annotations
 import statistics
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlite_ray.engine.sequence import Sequence
 from dlite_ray.engine.step_rates import Arm, StepRates
+
+
+@dataclass(slots=True)
+class RowOffer:
+    """What one decode row could verify after its anchor this round, as the policy weighs it."""
+
+    seq: Sequence
+    draft_cap: int  # the most tokens worth drafting for it (0: it cannot draft)
+    copy: list[int] = field(default_factory=list)  # tokens it could copy instead of drafting
+    from_reply: bool = False  # the copy comes from an earlier reply (or the reply corpus), not its context
+    forced: bool = False  # the copy is what the row's grammar allows next: verified whole
 
 
 @dataclass(slots=True)
@@ -144,18 +155,17 @@ class SpeculationPolicy:
         d = self.GLOBAL_DECAY
         self._branches = [self._branches[0] * d + kept, self._branches[1] * d + verified]
 
-    def choose(self, seqs: list[Sequence], caps: list[int], prefill_tokens: int = 0,
-               copy_caps: list[int] | None = None, from_reply: list[bool] | None = None,
-               forced: list[bool] | None = None, room: int | None = None) -> list[int]:
-        """Tokens to verify after each row's anchor: drafted (up to caps[i]), or copied where
-        copy_caps[i] > 0 (up to that many; the row then drafts nothing), from the context or,
-        where from_reply[i], from an earlier reply; where forced[i] (its grammar allows only
-        those tokens), all copy_caps[i] of them, whatever was measured; `room` tokens at most
-        in all (the step's token budget), the longest rows cut first."""
-        copy_caps = copy_caps or [0] * len(seqs)
-        from_reply = from_reply or [False] * len(seqs)
-        forced = forced or [False] * len(seqs)
-        caps = [0 if copy else min(c, self.max_draft_tokens) for c, copy in zip(caps, copy_caps)]
+    def choose(self, offers: list[RowOffer], prefill_tokens: int = 0, room: int | None = None) -> list[int]:
+        """Tokens to verify after each row's anchor: drafted (up to its draft_cap), or copied
+        where it offers a copy (up to all of it; the row then drafts nothing), from its context
+        or an earlier reply; a forced copy (its grammar allows only those tokens) whole,
+        whatever was measured; `room` tokens at most in all (the step's token budget), the
+        longest rows cut first."""
+        seqs = [o.seq for o in offers]
+        copy_caps = [len(o.copy) for o in offers]
+        from_reply = [o.from_reply for o in offers]
+        forced = [o.forced for o in offers]
+        caps = [0 if copy else min(o.draft_cap, self.max_draft_tokens) for o, copy in zip(offers, copy_caps)]
         self._arm = 0
         if not self.adaptive or not seqs or max(caps) + max(copy_caps) == 0:
             return _within([copy or c for c, copy in zip(caps, copy_caps)], room)

@@ -9,6 +9,7 @@ import pytest
 
 from dlite_ray.engine.sequence import SamplingParams, Sequence
 from dlite_ray.engine.speculation_policy import CostModel, SpeculationPolicy
+from tests.helpers import offers
 
 # Acceptance of drafted position j once j - 1 was accepted, as measured for the default
 # draft on the dev split (0.42 0.21 0.12 0.07 0.05 0.03 0.02 unconditional).
@@ -44,7 +45,7 @@ def test_later_positions_accepted_more_often_are_drafted_deeper():
     measured = _measured_policy()
     flat = _measured_policy()
     flat._positions = [[0.0, 0.0] for _ in flat._positions]  # the same rows, no depth profile
-    deep, shallow = measured.choose([_seq()], [7])[0], flat.choose([_seq()], [7])[0]
+    deep, shallow = measured.choose(offers([_seq()], [7]))[0], flat.choose(offers([_seq()], [7]))[0]
     assert deep > shallow >= 1
 
 
@@ -66,8 +67,8 @@ def _copy_policy(accept_rate: float, rounds: int = 200) -> tuple[SpeculationPoli
 def test_copies_that_keep_passing_are_verified_whole_and_failing_ones_are_cut():
     good, good_seq = _copy_policy(0.95)
     bad, bad_seq = _copy_policy(0.3)
-    assert good.choose([good_seq] * 4, [0] * 4, copy_caps=[15] * 4) == [15] * 4
-    cut = bad.choose([bad_seq] * 4, [0] * 4, copy_caps=[15] * 4)
+    assert good.choose(offers([good_seq] * 4, [0] * 4, copy_caps=[15] * 4)) == [15] * 4
+    cut = bad.choose(offers([bad_seq] * 4, [0] * 4, copy_caps=[15] * 4))
     assert max(cut) <= 3
 
 
@@ -84,9 +85,9 @@ def test_a_measured_no_to_speculating_stops_copying_too():
     policy.rates = type("NoSpeculation", (), {"choose": lambda self, n, pays: 0,
                                               "verdict": lambda self, n, pays: 0})()
     drafting, copying = _seq(), seq
-    assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15]) == [0, 0]
+    assert policy.choose(offers([drafting, copying], [7, 0], copy_caps=[0, 15])) == [0, 0]
     policy.rates = None  # the cost model alone copies it whole
-    assert policy.choose([drafting, copying], [7, 0], copy_caps=[0, 15])[1] == 15
+    assert policy.choose(offers([drafting, copying], [7, 0], copy_caps=[0, 15]))[1] == 15
 
 
 def test_steps_with_copied_rows_are_measured_and_steps_with_prefill_are_not():
@@ -98,16 +99,16 @@ def test_steps_with_copied_rows_are_measured_and_steps_with_prefill_are_not():
         return lambda self, n, pays: asked.append(kind) or (None if pays else 0)
 
     policy.rates = type("Spy", (), {"choose": spy("probe"), "verdict": spy("verdict")})()
-    policy.choose([_seq(), seq], [7, 0], copy_caps=[0, 15])
-    policy.choose([_seq(), _seq()], [7, 7], prefill_tokens=64)
+    policy.choose(offers([_seq(), seq], [7, 0], copy_caps=[0, 15]))
+    policy.choose(offers([_seq(), _seq()], [7, 7]), prefill_tokens=64)
     assert asked == ["probe", "verdict"]
 
 
 def test_a_row_whose_copies_were_cut_tries_copying_again():
     policy, seq = _copy_policy(0.02)  # compute-bound costs, copies that fail at once
-    assert policy.choose([seq] * 4, [0] * 4, copy_caps=[15] * 4) == [0] * 4
+    assert policy.choose(offers([seq] * 4, [0] * 4, copy_caps=[15] * 4)) == [0] * 4
     rounds = 1
-    while max(policy.choose([seq] * 4, [0] * 4, copy_caps=[15] * 4)) == 0 and rounds < 50:
+    while max(policy.choose(offers([seq] * 4, [0] * 4, copy_caps=[15] * 4))) == 0 and rounds < 50:
         rounds += 1  # not copying: its copy evidence fades
     assert 1 < rounds < 50
 
@@ -127,8 +128,8 @@ def test_failing_copies_from_replies_give_rounds_back_to_the_draft_until_retried
     while not policy.copies_from_replies(seq, can_draft=True) and refusals < 1000:
         refusals += 1  # each refusal lets the evidence fade
     assert 20 < refusals < 1000
-    cut = policy.choose([seq], [7], copy_caps=[15], from_reply=[True])[0]  # sized by the replies' own rate
-    assert cut < policy.choose([seq], [7], copy_caps=[15])[0]
+    cut = policy.choose(offers([seq], [7], copy_caps=[15], from_reply=[True]))[0]  # sized by the replies' own rate
+    assert cut < policy.choose(offers([seq], [7], copy_caps=[15]))[0]
 
 
 def test_copies_from_replies_are_judged_per_request():
@@ -165,7 +166,8 @@ def test_cost_fits_are_not_tilted_by_a_few_slow_steps():
 def test_the_steps_room_cuts_the_longest_rows_first():
     policy = SpeculationPolicy(max_draft_tokens=7, adaptive=False)
     seqs = [_seq() for _ in range(3)]
-    assert policy.choose(seqs, [7, 3, 5], room=9) == [3, 3, 3]
-    assert policy.choose(seqs, [7, 3, 5], room=0) == [0, 0, 0]
-    assert policy.choose(seqs, [7, 3, 5], room=None) == [7, 3, 5]
-    assert policy.choose(seqs, [0, 0, 0], copy_caps=[15, 0, 2], forced=[True, False, False], room=10) == [8, 0, 2]
+    assert policy.choose(offers(seqs, [7, 3, 5]), room=9) == [3, 3, 3]
+    assert policy.choose(offers(seqs, [7, 3, 5]), room=0) == [0, 0, 0]
+    assert policy.choose(offers(seqs, [7, 3, 5]), room=None) == [7, 3, 5]
+    forced = offers(seqs, [0, 0, 0], copy_caps=[15, 0, 2], forced=[True, False, False])
+    assert policy.choose(forced, room=10) == [8, 0, 2]

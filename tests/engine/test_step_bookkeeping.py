@@ -12,8 +12,8 @@ def test_the_policy_is_told_the_prefill_tokens_not_the_chunks(tiny_target, tiny_
     engine = make_engine(tiny_target, tiny_draft)
     calls = []
     choose = engine.policy.choose
-    engine.policy.choose = lambda seqs, caps, prefill_tokens=0, *rest: (
-        calls.append((len(seqs), prefill_tokens)) or choose(seqs, caps, prefill_tokens, *rest))
+    engine.policy.choose = lambda offers, prefill_tokens=0, room=None: (
+        calls.append((len(offers), prefill_tokens)) or choose(offers, prefill_tokens, room))
     engine.add_request(list(range(3, 12)), SamplingParams(max_new_tokens=8))
     engine.step()  # its prefill
     engine.add_request(list(range(20, 45)), SamplingParams(max_new_tokens=8))

@@ -9,6 +9,7 @@ import random
 from dlite_ray.engine.sequence import SamplingParams, Sequence
 from dlite_ray.engine.speculation_policy import CostModel, SpeculationPolicy
 from dlite_ray.engine.step_rates import StepRates, batch_bucket
+from tests.helpers import offers
 
 
 def test_buckets_are_powers_of_two():
@@ -185,22 +186,22 @@ def test_policy_follows_the_measurements_not_the_cost_model():
     seqs = _seqs(4)
     chosen = []
     for _ in range(100):
-        ks = policy.choose(seqs, [7] * 4)
+        ks = policy.choose(offers(seqs, [7] * 4))
         speculated = max(ks) > 0
         # measured: speculative steps deliver 30 tokens in 0.5 s, plain ones 4 tokens in 0.04 s
         policy.observe_step(4, ks, 30 if speculated else 4, 0.5 if speculated else 0.04)
         chosen.append(speculated)
     assert sum(chosen[20:]) <= 80 / SpeculationPolicy(7).rates.EXPLORE_EVERY + 1
     # steps with prefill follow the measured verdict (and are not probes)
-    assert all(max(policy.choose(seqs, [7] * 4, prefill_tokens=64)) == 0 for _ in range(40))
+    assert all(max(policy.choose(offers(seqs, [7] * 4), prefill_tokens=64)) == 0 for _ in range(40))
     fresh = SpeculationPolicy(max_draft_tokens=7)
     fresh.cost = policy.cost
-    assert max(fresh.choose(seqs, [7] * 4, prefill_tokens=64)) > 0  # nothing measured yet: the model decides
+    assert max(fresh.choose(offers(seqs, [7] * 4), prefill_tokens=64)) > 0  # nothing measured yet: the model decides
 
 
 def test_non_adaptive_policy_always_drafts_the_cap():
     policy = SpeculationPolicy(max_draft_tokens=5, adaptive=False)
-    assert policy.rates is None and policy.choose(_seqs(2), [7, 3]) == [5, 3]
+    assert policy.rates is None and policy.choose(offers(_seqs(2), [7, 3])) == [5, 3]
 
 
 def test_a_capped_arm_bounds_every_rows_tokens_and_gives_each_at_least_one():
@@ -213,7 +214,7 @@ def test_a_capped_arm_bounds_every_rows_tokens_and_gives_each_at_least_one():
         recorded = []
         policy.rates = type("Fixed", (), {"choose": lambda self, n, pays, arm=arm: arm,
                                           "record": lambda self, *measured, out=recorded: out.append(measured)})()
-        ks = policy.choose(seqs, [7, 7, 2])
+        ks = policy.choose(offers(seqs, [7, 7, 2]))
         assert ks == expected
         policy.observe_step(3, ks, 5, 0.1)
         assert recorded == [(3, arm, 5, 0.1)]  # credited to the arm that ran
