@@ -80,3 +80,34 @@ def test_the_probes_cover_every_bucket_size():
     assert cover_row_counts(module, (64, 256)) == 0
     assert cover_row_counts(module, (64, 512)) == 1
     assert module.forward.max_rows == EXACT_ROWS  # now called in 32-row pieces, whose rows agree
+
+
+@pytest.mark.parametrize("q", [1, VERIFY], ids=["decode", "verify"])
+def test_the_flash_backend_through_padded_buckets_gives_the_unpadded_bits(tiny_target, q, monkeypatch):
+    """flash-attn's backend (a reference with flash_attn_with_kvcache's documented semantics
+    injected for the kernel, its pages of 256 tokens) is graph-safe: a padded step plans its
+    rows on the device from the static buffers (`DeviceRows`) and gives each real row the
+    unpadded step's bits; its padding rows write no KV a sequence owns."""
+    from dlite_ray.engine import model_runner
+    from dlite_ray.runtime.attention.flash import FlashAttnBackend
+    from tests.runtime.test_accelerator_attention import ReferenceFlash
+
+    kernel = ReferenceFlash()
+    monkeypatch.setattr(model_runner, "make_backend", lambda name, device, dtype: FlashAttnBackend(kernel=kernel))
+    plain = ModelRunner(tiny_target, TAPS, 4096, 16, "flash_attn")
+    padded = ModelRunner(tiny_target, TAPS, 4096, 16, "flash_attn", graphs=GraphConfig(8, (1, VERIFY), capture=False))
+    assert padded.backend.graph_safe and padded.block_size == 256
+    want = step_rows(plain, prefilled(plain, 3), q)
+    seqs = prefilled(padded, 3)
+    kernel.calls.clear()
+    got = step_rows(padded, seqs, q)
+    assert padded.graphs.stats.padded_eager == 1
+    step_calls = [c for c in kernel.calls if c.q_len == 1]
+    assert step_calls and all(c.table.shape[0] == 4 * q for c in step_calls)  # the bucket of 4, padding row included
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(g.logits, w.logits)
+        assert torch.equal(g.taps, w.taps)
+    blocks = plain.cache.num_blocks
+    assert padded.cache.num_blocks == blocks + 1  # the scratch block
+    assert torch.equal(padded.cache.k[:, :blocks], plain.cache.k)
+    assert torch.equal(padded.cache.v[:, :blocks], plain.cache.v)

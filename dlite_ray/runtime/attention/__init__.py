@@ -6,6 +6,8 @@
 - cpu_exactness.py: how the CPU kernel is called so that a row's bits do not depend on
   the step it is in (measured once per process and shape).
 - flash.py: `FlashAttnBackend`, CUDA, paged `flash_attn_with_kvcache` (extra `gpu`).
+- row_plan.py, device_rows.py: the rows the paged kernels (flash-attn's, triton's) read, built
+  once per forward on the host, or on the device from a CUDA graph's static buffers.
 - paged_triton.py, triton_backend.py: `TritonPagedBackend`, CUDA, a paged decode / verify
   kernel of our own in Triton (extra `triton`); on CPU only under TRITON_INTERPRET=1 (tests).
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlite_ray.runtime.attention.flash import FlashPlan
+from dlite_ray.runtime.attention.row_plan import FlashPlan
 
 
 @dataclass(slots=True)

@@ -7,48 +7,15 @@ flash-attn is an optional dependency (extra `gpu`): imported when the backend is
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 
-from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS, AttentionMetadata
+from dlite_ray.runtime.attention.device_rows import DeviceRows
+from dlite_ray.runtime.attention.metadata import AttentionMetadata
+from dlite_ray.runtime.attention.row_plan import step_plan
 from dlite_ray.runtime.kv_cache import PagedKVCache
 
 FLASH_ATTN_PAGE_MULTIPLE = 256  # flash-attn's paged KV needs blocks of a multiple of 256
-
-
-@dataclass(slots=True)
-class FlashPlan:
-    """flash-attn's (and the triton backend's) inputs for one forward, built by its first
-    layer as int32 tensors."""
-
-    row_tokens: torch.Tensor | None  # [P] the decode/verify tokens, each its own batch entry
-    row_seqlens: torch.Tensor | None  # [P] keys each row sees: its position + 1
-    row_tables: torch.Tensor | None  # [P, W] its sequence's block table, zero-padded
-    chunks: list[tuple[int, int, torch.Tensor, torch.Tensor]]  # prefill: (q_start, q_len, seqlens [1], table [1, W])
-    max_row_seqlen: int = 0  # the longest row's keys, known on the host (the triton backend's grid)
-
-
-def plan_flash(meta: AttentionMetadata, device: torch.device) -> FlashPlan:
-    """Decode / verify tokens (spans of up to MAX_POSITIONED_TOKENS) one row each, prefill
-    chunks one call each; block tables and lengths as int32 tensors, once per forward."""
-    tokens, seqlens, tables, chunks = [], [], [], []
-    width = max(len(t) for t in meta.block_tables)
-    for span, table in zip(meta.spans, meta.block_tables, strict=True):
-        padded = table + [0] * (width - len(table))
-        first = span.ctx_len - span.q_len
-        if span.q_len <= MAX_POSITIONED_TOKENS:
-            tokens += range(span.q_start, span.q_start + span.q_len)
-            seqlens += range(first + 1, span.ctx_len + 1)
-            tables += [padded] * span.q_len
-        else:
-            chunks.append((span.q_start, span.q_len, torch.tensor([span.ctx_len], dtype=torch.int32, device=device),
-                           torch.tensor([table], dtype=torch.int32, device=device)))
-    if not tokens:
-        return FlashPlan(None, None, None, chunks)
-    return FlashPlan(torch.tensor(tokens, dtype=torch.long, device=device),
-                     torch.tensor(seqlens, dtype=torch.int32, device=device),
-                     torch.tensor(tables, dtype=torch.int32, device=device), chunks, max(seqlens))
 
 
 class FlashAttnBackend:
@@ -60,10 +27,15 @@ class FlashAttnBackend:
     decoded alone, verified in a block or batched with any number of others. The price:
     a verify block of K + 1 rows reads its keys K + 1 times (from L2 mostly). Prefill
     chunks go as one causal call each.
+
+    Graph-safe (engine/graph_runner.py): under a CUDA graph its rows' lengths and block
+    tables are derived on the device from the graph runner's static buffers (`DeviceRows`),
+    which `flash_attn_with_kvcache` reads as device tensors, as it does eagerly.
     """
 
     name = "flash_attn"
     block_major = True
+    graph_safe = True  # engine/graph_runner.py's GraphSafeBackend
 
     def __init__(self, kernel=None) -> None:
         """kernel: `flash_attn_with_kvcache` or a function with its semantics (tests)."""
@@ -76,9 +48,7 @@ class FlashAttnBackend:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; cache layers: [blocks, block_size, Hkv, Dh]
         cache.write(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = cache.k_layers[layer], cache.v_layers[layer]
-        if meta.flash_plan is None:
-            meta.flash_plan = plan_flash(meta, q.device)
-        plan = meta.flash_plan
+        plan = step_plan(meta, layer, q.device)
         if plan.row_tokens is not None:
             rows = q.index_select(0, plan.row_tokens)[:, None]  # [P, 1, Hq, Dh]
             attended = self._kernel(rows, k_cache, v_cache, cache_seqlens=plan.row_seqlens,
@@ -92,6 +62,14 @@ class FlashAttnBackend:
             out[start:start + n] = self._kernel(q[None, start:start + n], k_cache, v_cache, cache_seqlens=seqlens,
                                                 block_table=table, causal=True)[0]
         return out
+
+
+    def graph_metadata(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       query_len: int, block_size: int) -> AttentionMetadata:
+        """B sequences of `query_len` new tokens each, read from these tensors alone (refilled
+        in place between forwards; see `TritonPagedBackend.graph_metadata`)."""
+        rows = DeviceRows(block_tables, context_lens, query_len, block_size)
+        return AttentionMetadata(slot_mapping, [], [], block_size, device_rows=rows)
 
 
 def flash_attn_available() -> bool:

@@ -17,7 +17,7 @@ from dlite_ray.runtime.window_batch import WindowPlan
 
 if TYPE_CHECKING:
     from dlite_ray.runtime.attention.device_rows import DeviceRows
-    from dlite_ray.runtime.attention.flash import FlashPlan
+    from dlite_ray.runtime.attention.row_plan import FlashPlan
 
 
 # Decode and verify steps (up to MAX_POSITIONED_TOKENS new tokens per sequence) go the

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from dlite_ray.runtime.attention.device_rows import DeviceRows
-from dlite_ray.runtime.attention.flash import FlashPlan, plan_flash
 from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS, AttentionMetadata
 from dlite_ray.runtime.attention.paged_triton import PAGED_CHUNK, PAGED_TILE, paged_attention
+from dlite_ray.runtime.attention.row_plan import step_plan
 from dlite_ray.runtime.attention.sdpa import attend_prefill_span
 from dlite_ray.runtime.kv_cache import PagedKVCache
 
@@ -24,7 +24,7 @@ class TritonPagedBackend:
     own query over the keys up to their position, split into fixed position-aligned chunks
     merged in position order: a row's bits do not depend on the step it is in. The rows'
     tokens, lengths and block tables are device tensors built once per forward by the first
-    layer (flash-attn's plan, `plan_flash`). Prefill chunks go as one causal SDPA call each
+    layer (`row_plan.step_plan`, as flash-attn's). Prefill chunks go as one causal SDPA call each
     over their keys, gathered once per layer where their blocks are not consecutive
     (`sdpa.attend_prefill_span`): a kernel per row would read a long prompt's keys once per
     prompt token.
@@ -47,7 +47,7 @@ class TritonPagedBackend:
         # q: [T, Hq, Dh]; k, v: [T, Hkv, Dh]; cache layers: [blocks, block_size, Hkv, Dh]
         cache.write(layer, meta.slot_mapping, k, v)
         k_cache, v_cache = cache.k_layers[layer], cache.v_layers[layer]
-        plan = self._plan(meta, layer, q.device)
+        plan = step_plan(meta, layer, q.device)
         out = torch.empty_like(q)
         if plan.row_tokens is not None:
             paged_attention(q, k_cache, v_cache, plan.row_tokens, plan.row_seqlens, plan.row_tables,
@@ -67,11 +67,3 @@ class TritonPagedBackend:
         zero in stage 2; the graph runner's padding rows hold query_len)."""
         rows = DeviceRows(block_tables, context_lens, query_len, block_size)
         return AttentionMetadata(slot_mapping, [], [], block_size, device_rows=rows)
-
-    @staticmethod
-    def _plan(meta: AttentionMetadata, layer: int, device: torch.device) -> FlashPlan:
-        if meta.device_rows is not None:
-            return meta.device_rows.plan(layer)
-        if meta.flash_plan is None:  # built on the host once per forward, by its first layer
-            meta.flash_plan = plan_flash(meta, device)
-        return meta.flash_plan
