@@ -22,6 +22,7 @@ from dlite_ray.engine.sequence import InvalidRequest, SamplingParams
 from dlite_ray.serve.errors import BadRequest, OutputFailed, ReplicaUnavailable, StoreUnavailable, unwrap
 from dlite_ray.serve.held_reply import held_for_tool_calls
 from dlite_ray.serve.request_types import ConversationTurn
+from dlite_ray.serve.store_contract import ConversationView
 from dlite_ray.serve.tool_prompt import forced_call_params, functions_in, tools_in
 from dlite_ray.serve.turn_claims import RENEWED_CLAIM_S, renewed, replay_chunk
 from dlite_ray.serve.worker_messages import GenerateChunk
@@ -53,12 +54,13 @@ class ConversationTurns:
         token, and `refuse_turn` takes the turn's messages back out: a client's retry does
         not pile up copies of the same messages."""
         token = uuid.uuid4().hex  # this request's claim: a repeated begin_turn gets it back
-        conv = await _through_router(lambda: self.router.begin_turn.remote(
+        conv: ConversationView = await _through_router(lambda: self.router.begin_turn.remote(
             tenant, conversation_id, turn.new_messages, holder=self.holder, idempotency_key=idempotency_key,
             claim_s=RENEWED_CLAIM_S, claim_token=token))
         tools = () if turn.tool_choice == "none" else tools_in(conv["messages"])
-        if conv["replayed"] is not None:  # finished before: the stored reply, nothing generated
-            async for chunk in held_for_tool_calls(_one(replay_chunk(conv["replayed"])), tools):
+        replayed = conv.get("replayed")
+        if replayed is not None:  # finished before: the stored reply, nothing generated
+            async for chunk in held_for_tool_calls(_one(replay_chunk(replayed)), tools):
                 yield chunk
             return
         version = conv["version"]

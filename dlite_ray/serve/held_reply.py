@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from dlite_ray.serve.logprobs import LogprobEntry
 from dlite_ray.serve.tool_calls import CALL, MAX_PARSED_CHARS, TEXT, Tool, ToolCall, reply_calls, reply_start
 from dlite_ray.serve.worker_messages import GenerateChunk
 
@@ -23,9 +24,9 @@ class HeldReply:
         self.holding = bool(tools)
         self._call_started = False  # once it starts like a call, it is held to the end: no rescans
         self._text = ""
-        self._entries: list[dict] = []
+        self._entries: list[LogprobEntry] = []
 
-    def push(self, text: str, entries: list) -> tuple[str, list]:
+    def push(self, text: str, entries: list[LogprobEntry]) -> tuple[str, list[LogprobEntry]]:
         """What to send now of a chunk's text and logprob entries."""
         if not self.holding:
             return text, entries

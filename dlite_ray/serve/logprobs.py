@@ -10,8 +10,23 @@ such a part as U+FFFD, as OpenAI's does.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TypedDict
 
 from dlite_ray.engine.logprobs import TokenLogprob
+
+
+class TopLogprob(TypedDict):
+    """One token in OpenAI's chat logprobs: its text, logprob and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class LogprobEntry(TopLogprob):
+    """A `choices[].logprobs.content` item: the chosen token and the likeliest alternatives."""
+
+    top_logprobs: list[TopLogprob]
 
 
 class TokenRenderer:
@@ -32,17 +47,17 @@ class TokenRenderer:
             return piece.encode("utf-8")
         return bytes(self._byte_of[c] for c in piece)
 
-    def _entry(self, token_id: int, logprob: float) -> dict:
+    def _token(self, token_id: int, logprob: float) -> TopLogprob:
         raw = self.token_bytes(token_id)
-        return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
+        return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
 
-    def chat_entries(self, logprobs: list[TokenLogprob]) -> list[dict]:
+    def chat_entries(self, logprobs: list[TokenLogprob]) -> list[LogprobEntry]:
         """`choices[].logprobs.content` items, one per token."""
-        return [self._entry(lp.token_id, lp.logprob)
-                | {"top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]
+        return [LogprobEntry(**self._token(lp.token_id, lp.logprob),
+                             top_logprobs=[self._token(t, v) for t, v in lp.top]) for lp in logprobs]
 
 
-def completion_logprobs(entries: list[dict], text_offset: int = 0) -> tuple[dict, int]:
+def completion_logprobs(entries: list[LogprobEntry], text_offset: int = 0) -> tuple[dict, int]:
     """The legacy completions shape of chat `entries`, and the offset after them. Offsets
     count the characters of the tokens' texts from `text_offset` (a stream's later chunks
     go on from where the last ended), as vLLM does: they drift from the completion text

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlite_ray.engine.request_stats import RequestStats
-from dlite_ray.serve.logprobs import completion_logprobs
+from dlite_ray.serve.logprobs import LogprobEntry, completion_logprobs
 from dlite_ray.serve.request_types import ConversationTurn, ParsedRequest
 from dlite_ray.serve.tool_calls import ToolCall, assistant_message, chat_message, tool_calls_delta
 from dlite_ray.serve.worker_messages import GenerateChunk
@@ -28,7 +28,7 @@ class Reply:
     finish: str | None
     stats: RequestStats | None
     tokens: int  # completion tokens
-    logprobs: list[dict] = field(default_factory=list)  # one entry per token, where asked for
+    logprobs: list[LogprobEntry] = field(default_factory=list)  # one entry per token, where asked for
 
 
 def completion(rid: str, model: str, parsed: ParsedRequest, chat: bool, reply: Reply) -> dict:
@@ -84,7 +84,7 @@ def usage(stats: RequestStats | None, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[dict] | None,
+def choice_logprobs(parsed: ParsedRequest, chat: bool, entries: list[LogprobEntry] | None,
                     text_offset: int = 0) -> tuple[dict | None, int]:
     """A choice's `logprobs` (None unless the request asked for them), and the completion
     text offset after them."""

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dlite_ray.engine.request_stats import RequestStats
+from dlite_ray.serve.logprobs import LogprobEntry, TopLogprob
 from dlite_ray.serve.proto import dlite_pb2
+from dlite_ray.serve.store_contract import ConversationView
 from dlite_ray.serve.worker_messages import GenerateChunk
 
 
@@ -19,14 +21,19 @@ def _proto_tool_call(call: dict) -> dlite_pb2.ToolCall:
                               arguments_json=call["function"]["arguments"])
 
 
-def _proto_logprob(entry: dict) -> dlite_pb2.TokenLogprob:
+def _proto_logprob(entry: LogprobEntry) -> dlite_pb2.TokenLogprob:
     return dlite_pb2.TokenLogprob(token=entry["token"], logprob=entry["logprob"], bytes=bytes(entry["bytes"]),
-                                  top_logprobs=[_proto_logprob(t) for t in entry.get("top_logprobs", ())])
+                                  top_logprobs=[_proto_token(t) for t in entry["top_logprobs"]])
 
 
-def proto_conversation(conv: dict) -> dlite_pb2.Conversation:
+def _proto_token(token: TopLogprob) -> dlite_pb2.TokenLogprob:
+    return dlite_pb2.TokenLogprob(token=token["token"], logprob=token["logprob"], bytes=bytes(token["bytes"]))
+
+
+def proto_conversation(conv: ConversationView) -> dlite_pb2.Conversation:
     return dlite_pb2.Conversation(conversation_id=conv["id"], state=conv["state"], version=conv["version"],
-                                  messages=[dlite_pb2.Message(**m) for m in conv["messages"]])
+                                  messages=[dlite_pb2.Message(role=m["role"], content=m["content"])
+                                            for m in conv["messages"]])  # stored as parse_messages made them
 
 
 def _proto_stats(stats: RequestStats | None) -> dlite_pb2.Stats | None:

@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationRegistry, TenantQuota, open_store
 from dlite_ray.serve.errors import ConversationBusy
+from dlite_ray.serve.store_contract import ConversationView, TurnOutcomeView
 from dlite_ray.serve.turn_claims import SERVE_REPLICA_PREFIX, UNRENEWED_CLAIM_S, holder_gone, live_actor_names
 
 log = logging.getLogger(__name__)
@@ -137,17 +138,17 @@ class ConversationRouter:
         except Exception as exc:  # noqa: BLE001 - a dead replica holds nothing any more
             log.warning("could not release %s on %s: %s", conversation_id, replica, exc)
 
-    async def create(self, tenant: str, messages: list[dict]) -> dict:
+    async def create(self, tenant: str, messages: list[dict]) -> ConversationView:
         self._ensure_expiry_task()
         return _public(self.store.create(tenant, messages))
 
-    async def get(self, tenant: str, conversation_id: str) -> dict:
+    async def get(self, tenant: str, conversation_id: str) -> ConversationView:
         self._ensure_expiry_task()
         return _public(self.store.get(tenant, conversation_id))
 
     async def begin_turn(self, tenant: str, conversation_id: str, messages: list[dict], holder: str | None = None,
                          idempotency_key: str | None = None, claim_s: float | None = None,
-                         claim_token: str | None = None) -> dict:
+                         claim_token: str | None = None) -> ConversationView:
         """Append `messages` and claim the conversation for one turn.
 
         holder: the calling replica (`turn_claims.holder_identity()`); its claim ends as
@@ -192,7 +193,7 @@ class ConversationRouter:
         return self.store.renew_turn(tenant, conversation_id, version, _claim_s(claim_s))
 
     async def finish_turn(self, tenant: str, conversation_id: str, version: int, reply: str, replica: str | None,
-                          lease_s: float | None, finish_reason: str | None = None) -> dict:
+                          lease_s: float | None, finish_reason: str | None = None) -> ConversationView:
         """Store the turn's reply (the conversation pauses, its KV pinned on `replica` for
         the lease). What `replica` evicted while it ran the turn the ingress reported with
         the reply's last chunk (`mark_evicted`), as it does for every reply."""
@@ -243,14 +244,17 @@ def _claim_s(claim_s: float | None) -> float:
     return UNRENEWED_CLAIM_S if claim_s is None else min(max(claim_s, MIN_CLAIM_S), UNRENEWED_CLAIM_S)
 
 
-def _public(conv: Conversation, turn: bool = False) -> dict:
+def _public(conv: Conversation, turn: bool = False) -> ConversationView:
     """What callers see: never the claim's holder (an internal actor name) or token; `replayed`
     only from begin_turn."""
-    out = asdict(conv)
-    del out["claim_holder"], out["claim_token"]
-    if not turn:
-        del out["replayed"]
-    return out
+    view = ConversationView(id=conv.id, tenant=conv.tenant, version=conv.version, state=conv.state,
+                            replica=conv.replica, lease_deadline=conv.lease_deadline,
+                            messages=[dict(m) for m in conv.messages],
+                            claim_deadline=conv.claim_deadline)
+    if turn:
+        view["replayed"] = None if conv.replayed is None else TurnOutcomeView(
+            reply=conv.replayed.reply, finish_reason=conv.replayed.finish_reason)
+    return view
 
 
 # replicas: conversations.router_replicas (app.build_app); more than one need a shared store

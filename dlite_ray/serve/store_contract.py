@@ -13,7 +13,9 @@ database, so two router replicas, or two processes on one file, never both win.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypedDict
+
+from typing_extensions import NotRequired  # typing's from Python 3.11; torch requires typing-extensions
 
 from dlite_ray.serve.config import LimitArgs
 
@@ -55,6 +57,27 @@ class Conversation:
     claim_deadline: float | None = None
     claim_token: str | None = None  # the request that made the claim: its retried begin_turn gets it back
     replayed: TurnOutcome | None = None  # set by begin_turn when its key names a finished turn
+
+
+class TurnOutcomeView(TypedDict):
+    reply: str
+    finish_reason: str | None
+
+
+class ConversationView(TypedDict):
+    """A conversation as the router's callers see it across Serve handles (`router._public`):
+    never its claim's holder (an internal actor name) or token; `replayed` only in
+    begin_turn's answer. JSON as it stands (the HTTP API returns it)."""
+
+    id: str
+    tenant: str
+    version: int
+    state: str
+    replica: str | None
+    lease_deadline: float | None
+    messages: list[dict[str, str]]
+    claim_deadline: float | None
+    replayed: NotRequired[TurnOutcomeView | None]
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from dlite_ray.engine.stream_text import TextStream
 from dlite_ray.serve.config import AppArgs, EngineArgs
 from dlite_ray.serve.cpu_threads import target_thread_policy
 from dlite_ray.serve.engine_factory import engine_from_args
-from dlite_ray.serve.logprobs import TokenRenderer
+from dlite_ray.serve.logprobs import LogprobEntry, TokenRenderer
 from dlite_ray.serve.step_gate import StepGate
 from dlite_ray.serve.worker_messages import GenerateChunk, WorkerStats
 
@@ -67,7 +67,7 @@ class TargetWorker:
                 out.replica, out.evicted = self.replica_id, self.async_engine.take_evicted_leases()
             yield out
 
-    def _visible_logprobs(self, chunk: Chunk) -> list[dict] | None:
+    def _visible_logprobs(self, chunk: Chunk) -> list[LogprobEntry] | None:
         """Logprob entries of the chunk's tokens, less end-of-sequence tokens (not text). A
         stream may send an entry before the text it stands for (held back by `TextStream`),
         and the tokens that complete a stop string keep their entries though their text is cut."""

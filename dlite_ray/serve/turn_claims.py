@@ -15,6 +15,7 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 
 from dlite_ray.serve.errors import ConversationBusy, ConversationNotFound
+from dlite_ray.serve.store_contract import TurnOutcomeView
 from dlite_ray.serve.worker_messages import GenerateChunk
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ def _claim_lost(exc: BaseException) -> bool:
     return isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost)
 
 
-def replay_chunk(replayed: dict) -> GenerateChunk:
+def replay_chunk(replayed: TurnOutcomeView) -> GenerateChunk:
     """The one, last chunk of a turn replayed from its idempotency key, shaped like a
     TargetWorker's (`replayed` as returned in `begin_turn`'s result)."""
     return GenerateChunk([], replayed["reply"], finished=True, finish_reason=replayed["finish_reason"] or "stop",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dlite_ray.engine.request_stats import RequestStats
+from dlite_ray.serve.logprobs import LogprobEntry
 from dlite_ray.serve.tool_calls import ToolCall
 
 
@@ -30,7 +31,7 @@ class GenerateChunk:
     text: str
     finished: bool = False
     finish_reason: str | None = None
-    logprobs: list[dict] | None = None
+    logprobs: list[LogprobEntry] | None = None
     error: str | None = None
     stats: RequestStats | None = None
     replica: str | None = None
