@@ -31,7 +31,7 @@ def test_a_slow_tokenizer_leaves_the_event_loop_running(tiny_target):
     async_engine = AsyncEngine(engine)
 
     async def loop_watch() -> None:
-        while not tokenizer.started.is_set():
+        while not tokenizer.started.is_set():  # noqa: ASYNC110 - a threading.Event, set by the tokenizer's thread
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.005)  # the loop turns while the prompt is being tokenized
         tokenizer.loop_ran.set()

@@ -139,7 +139,8 @@ def test_agent_loops_survive_a_dead_router_replica_and_a_database_restart(tmp_pa
         return cid, seen
 
     async def progress(turns: int, agents: list[asyncio.Task]) -> None:
-        while done["turns"] < turns and not all(a.done() for a in agents):
+        # a count the agents' tasks bump (a Condition would need every bump to notify)
+        while done["turns"] < turns and not all(a.done() for a in agents):  # noqa: ASYNC110
             await asyncio.sleep(0.005)
 
     async def main():
@@ -148,7 +149,7 @@ def test_agent_loops_survive_a_dead_router_replica_and_a_database_restart(tmp_pa
         replicas.kill(0)
         await progress(AGENTS * TURNS // 2, agents)
         postgres.stop()  # on the event loop: no turn moves on until the server is gone
-        while replicas.store_unavailable < DOWN_FAILURES and not all(a.done() for a in agents):
+        while replicas.store_unavailable < DOWN_FAILURES and not all(a.done() for a in agents):  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # down until turns in flight have met it
         await asyncio.to_thread(postgres.start)
         return await asyncio.gather(*agents)

@@ -114,7 +114,8 @@ def test_agent_loops_survive_a_killed_router_replica_and_a_database_restart(rout
         return conv["id"], seen
 
     async def progress(n: int, agents: list[asyncio.Task]) -> None:
-        while done["turns"] < n and not all(a.done() for a in agents):
+        # a count the agents' tasks bump (a Condition would need every bump to notify)
+        while done["turns"] < n and not all(a.done() for a in agents):  # noqa: ASYNC110
             await asyncio.sleep(0.01)
 
     async def main():
@@ -124,7 +125,8 @@ def test_agent_loops_survive_a_killed_router_replica_and_a_database_restart(rout
         ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
         await progress(AGENTS * TURNS // 2, agents)
         postgres.stop()  # on the event loop: no turn moves on until the server is gone
-        while counted.failed.get("StoreUnavailable", 0) < DOWN_FAILURES and not all(a.done() for a in agents):
+        failures = counted.failed
+        while failures.get("StoreUnavailable", 0) < DOWN_FAILURES and not all(a.done() for a in agents):  # noqa: ASYNC110
             await asyncio.sleep(0.01)  # down until turns in flight have met it
         await asyncio.to_thread(postgres.start)
         return victim["name"], await asyncio.gather(*agents)
