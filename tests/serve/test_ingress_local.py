@@ -16,9 +16,11 @@ from dlite_ray.serve.config import LimitArgs
 from dlite_ray.serve.proto import dlite_pb2
 from tests.serve.local_handles import GrpcContext, LocalApp, local_args, sse_events, tiny_engine
 
-# tenant-c sends one request in the module: no earlier reply of its own to copy from
-KEYS = {"tenant-a": "key-a", "tenant-b": "key-b", "tenant-c": "key-c"}
+# tenant-c and tenant-d send one request each in the module: no earlier reply of their own
+# to copy from (the served engine's reply cache copies a tenant's replies), whatever the order
+KEYS = {"tenant-a": "key-a", "tenant-b": "key-b", "tenant-c": "key-c", "tenant-d": "key-d"}
 AUTH_A, AUTH_B = {"authorization": "Bearer key-a"}, {"authorization": "Bearer key-b"}
+AUTH_D = {"authorization": "Bearer key-d"}
 GRPC_A, GRPC_C = (("authorization", "Bearer key-a"),), (("authorization", "Bearer key-c"),)
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
 NEW = 24
@@ -71,7 +73,7 @@ def _contents(events: list) -> list[str]:
 # -- chat and completions, whole and streamed ----------------------------------------------------
 def test_chat_completion_equals_library_engine(app, reference):
     async def go():
-        r = await _chat(app)
+        r = await _chat(app, headers=AUTH_D)  # a tenant with no earlier reply: its rounds are drafted
         assert r.status == 200
         return await r.json()
 
@@ -232,7 +234,9 @@ def test_a_tenant_s_replies_are_copied_for_that_tenant_only(app, served_engine, 
     prompt, reply = library.encode(messages), library.generate(messages, max_new_tokens=NEW)[0].token_ids
     cache = served_engine.reply_cache
     assert cache.propose("tenant-a", prompt, 4) == reply[:4]  # the reply starts after its prompt's tail
-    assert cache.propose("tenant-b", prompt, 4) == [] and cache.propose(None, prompt, 4) == []
+    # another tenant's namespace never holds it (one that sent nothing: every prompt ends in the
+    # chat template's tail, so a tenant with replies of its own may well propose those)
+    assert cache.propose("tenant-silent", prompt, 4) == [] and cache.propose(None, prompt, 4) == []
     gauge = next(row for row in metrics.splitlines() if row.startswith("dlite_reply_cache_tokens "))
     assert float(gauge.split()[1]) >= len(reply)
 
