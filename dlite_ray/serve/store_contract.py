@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, TypedDict
 
-from typing_extensions import NotRequired  # typing's from Python 3.11; torch requires typing-extensions
-
 from dlite_ray.serve.config import LimitArgs
 
 GENERATING, PAUSED, CLOSED, EVICTED = "generating", "paused", "closed", "evicted"  # conversations.state
@@ -64,11 +62,7 @@ class TurnOutcomeView(TypedDict):
     finish_reason: str | None
 
 
-class ConversationView(TypedDict):
-    """A conversation as the router's callers see it across Serve handles (`router._public`):
-    never its claim's holder (an internal actor name) or token; `replayed` only in
-    begin_turn's answer. JSON as it stands (the HTTP API returns it)."""
-
+class _ConversationFields(TypedDict):
     id: str
     tenant: str
     version: int
@@ -77,7 +71,14 @@ class ConversationView(TypedDict):
     lease_deadline: float | None
     messages: list[dict[str, str]]
     claim_deadline: float | None
-    replayed: NotRequired[TurnOutcomeView | None]
+
+
+class ConversationView(_ConversationFields, total=False):
+    """A conversation as the router's callers see it across Serve handles (`router._public`):
+    never its claim's holder (an internal actor name) or token; `replayed` (the one key that
+    may be absent) only in begin_turn's answer. JSON as it stands (the HTTP API returns it)."""
+
+    replayed: TurnOutcomeView | None
 
 
 @dataclass(slots=True)
