@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
+from typing import cast
 
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -26,7 +27,7 @@ from ray.serve.handle import DeploymentHandle
 from dlite_ray.serve.config import AppArgs
 from dlite_ray.serve.conversation_store import GENERATING, Conversation, ConversationRegistry, TenantQuota, open_store
 from dlite_ray.serve.errors import ConversationBusy
-from dlite_ray.serve.store_contract import ConversationView, TurnOutcomeView
+from dlite_ray.serve.store_contract import ConversationView
 from dlite_ray.serve.turn_claims import SERVE_REPLICA_PREFIX, UNRENEWED_CLAIM_S, holder_gone, live_actor_names
 
 log = logging.getLogger(__name__)
@@ -246,15 +247,12 @@ def _claim_s(claim_s: float | None) -> float:
 
 def _public(conv: Conversation, turn: bool = False) -> ConversationView:
     """What callers see: never the claim's holder (an internal actor name) or token; `replayed`
-    only from begin_turn."""
-    view = ConversationView(id=conv.id, tenant=conv.tenant, version=conv.version, state=conv.state,
-                            replica=conv.replica, lease_deadline=conv.lease_deadline,
-                            messages=[dict(m) for m in conv.messages],
-                            claim_deadline=conv.claim_deadline)
-    if turn:
-        view["replayed"] = None if conv.replayed is None else TurnOutcomeView(
-            reply=conv.replayed.reply, finish_reason=conv.replayed.finish_reason)
-    return view
+    only from begin_turn (test_conversation_store ties the view's keys to the record's)."""
+    out = asdict(conv)
+    del out["claim_holder"], out["claim_token"]
+    if not turn:
+        del out["replayed"]
+    return cast(ConversationView, out)
 
 
 # replicas: conversations.router_replicas (app.build_app); more than one need a shared store

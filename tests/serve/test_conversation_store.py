@@ -248,3 +248,17 @@ def test_begin_turn_refuses_a_history_over_max_prompt_chars_before_appending(tmp
     with pytest.raises(PayloadTooLarge, match="max_prompt_chars"):
         store.begin_turn("a", conv.id, [{"role": "tool", "content": "xx"}], limits=limits)
     assert store.get("a", conv.id).messages == HELLO and store.get("a", conv.id).version == 0
+
+
+def test_the_public_view_is_the_record_without_its_claim():
+    """ConversationView (the typed view across Serve handles) lists the record's fields but
+    the claim's holder and token: a field added to Conversation must be added to the view
+    (or kept private) on purpose."""
+    from dataclasses import fields
+
+    from dlite_ray.serve.store_contract import Conversation, ConversationView
+
+    private = {"claim_holder", "claim_token"}
+    view_keys = set(ConversationView.__required_keys__) | set(ConversationView.__optional_keys__)
+    assert view_keys == {f.name for f in fields(Conversation)} - private
+    assert ConversationView.__optional_keys__ == frozenset({"replayed"})
