@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dlite_ray.engine.graph_runner import bucket_for, graph_buckets
+from dlite_ray.engine.graph_runner import bucket_for, capture_graph, graph_buckets
 from dlite_ray.runtime.draft_model import DLiteDraftModel, DraftProposal
 from dlite_ray.runtime.sampling import RowSampling
 
@@ -124,14 +124,7 @@ class DraftRoundGraphs:
             self.stats.failed[name] = f"no CUDA graphs on {device}"
             return
         try:
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # lazy initialisation and kernel compiles outside the capture
-                self._run(round_, num_tokens)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = self._run(round_, num_tokens)
+            graph, output = capture_graph(lambda: self._run(round_, num_tokens), device, self._pool)
         except RuntimeError as exc:
             log.warning("CUDA graph capture of the draft's %s round failed; it runs eagerly: %s", name, exc)
             self.stats.failed[name] = f"capture failed: {exc}"

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeGuard
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, TypeVar
 
 import torch
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 
 SMALL_BUCKETS = (1, 2, 4, 8)
 BUCKET_STEP = 16
+T = TypeVar("T")
 DEFAULT_GRAPH_ROWS = 64  # sequences in the largest bucket (a verify bucket holds q times as many tokens)
 
 
@@ -78,6 +80,22 @@ class GraphSafeBackend(Protocol):
 
 def is_graph_safe(backend: object) -> TypeGuard[GraphSafeBackend]:
     return bool(getattr(backend, "graph_safe", False))
+
+
+def capture_graph(run: Callable[[], T], device: torch.device, pool: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` captured as a CUDA graph in `pool` (None: a new one), after one warm-up call on a
+    side stream (lazy initialisation, autotuning and kernel compiles stay outside the
+    capture) -> (the graph, run's output: its static outputs, rewritten by every replay).
+    RuntimeError where capture fails (an operation that syncs with the host)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = run()
+    return graph, output
 
 
 def graph_buckets(max_rows: int) -> tuple[int, ...]:
@@ -272,14 +290,7 @@ class GraphRunner:
         views = self._views(q, bucket)
         try:
             meta = self._metadata(views, [], q, bucket)
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):  # lazy initialisation and autotuning outside the capture
-                self._forward(views, meta, q * bucket)
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = self._forward(views, meta, q * bucket)
+            graph, output = capture_graph(lambda: self._forward(views, meta, q * bucket), device, self._pool)
         except RuntimeError as exc:
             log.warning("CUDA graph capture of %s rows failed; that bucket runs eagerly: %s", name, exc)
             self.stats.failed[name] = f"capture failed: {exc}"
