@@ -17,7 +17,7 @@ from dlite_ray.engine.graph_runner import GraphConfig
 from dlite_ray.engine.loading import DraftFactory, default_draft_dir, load_corpus, load_draft, load_parts
 from dlite_ray.engine.logprobs import TokenLogprob
 from dlite_ray.engine.model_runner import ModelRunner
-from dlite_ray.engine.prompts import Messages, Prompt, PromptEncoder, is_batch
+from dlite_ray.engine.prompts import Messages, Prompt, PromptBatch, PromptEncoder, is_batch
 from dlite_ray.engine.reply_cache import ReplyCache
 from dlite_ray.engine.reply_corpus import ReplyCorpus
 from dlite_ray.engine.request_stats import RequestStats
@@ -184,7 +184,7 @@ class DLiteEngine:
         return self.scheduler.take_evicted_leases()
 
     # -- the library API ----------------------------------------------------------------------
-    def generate(self, prompts: Prompt | list[Prompt], max_new_tokens: int = 128, temperature: float = 0.0,
+    def generate(self, prompts: Prompt | PromptBatch, max_new_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, verify_mode: str | None = None,
                  stop_token_ids: tuple[int, ...] = (), stop: str | tuple[str, ...] = (), ignore_eos: bool = False,
                  trace_top_k: int = 0, logprobs: int | None = None, json_schema: str | None = None,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TypeGuard, cast
 
 from dlite_ray.engine.sequence import InvalidRequest
 
 Messages = list[dict[str, str]]
 Prompt = str | Messages | list[int]
+PromptBatch = Sequence[Prompt]  # a list or a tuple of prompts
 
 
 class PromptEncoder:
@@ -42,8 +44,9 @@ class PromptEncoder:
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
-def is_batch(prompts: Prompt | list[Prompt]) -> TypeGuard[list[Prompt]]:
-    """Whether `prompts` is several prompts (strings, message lists or id lists) rather than one."""
-    if isinstance(prompts, str) or not isinstance(prompts, list) or not prompts:
+def is_batch(prompts: Prompt | PromptBatch) -> TypeGuard[PromptBatch]:
+    """Whether `prompts` is several prompts (strings, message lists or id lists, in a list or
+    a tuple) rather than one."""
+    if isinstance(prompts, str) or not isinstance(prompts, (list, tuple)) or not prompts:
         return False
     return isinstance(prompts[0], (str, list))

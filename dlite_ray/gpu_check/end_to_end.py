@@ -16,7 +16,6 @@ import torch
 
 from dlite_ray.engine.draft_transport import DraftInfo, DraftRequest, DraftTransport
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.prompts import Prompt
 from dlite_ray.gpu_check.exactness import IdTokenizer, mean_accept_length, ragged_prompts
 from dlite_ray.runtime.draft_model import DraftProposal
 from dlite_ray.runtime.target_model import TargetModel
@@ -82,9 +81,8 @@ def compare(target: TargetModel, batch: int, context: int, new_tokens: int, cuda
 
 
 def _generate(engine: DLiteEngine, prompts: list[list[int]], new_tokens: int):
-    batch: list[Prompt] = list(prompts)  # generate's list is invariant: a copy typed as prompts
     try:
-        return engine.generate(batch, max_new_tokens=new_tokens, ignore_eos=True)
+        return engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
     finally:
         del engine  # its KV pool, before the next engine allocates one
         gc.collect()

@@ -12,7 +12,6 @@ import torch
 
 from dlite_ray.engine.draft_transport import DraftRequest, DraftTransport, InProcessDraftTransport
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.prompts import Prompt
 from dlite_ray.gpu_check.exactness import IdTokenizer, mean_accept_length, ragged_prompts
 from dlite_ray.gpu_check.random_models import DraftDims, draft_in_child
 from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -46,8 +45,7 @@ def one_device_pair(target: TargetModel, draft: DLiteDraftModel, hf: dict[str, A
 def _killed_draft_drill(target, link, handle, prompt_lengths: list[int], new_tokens: int) -> dict:
     """Greedy generation through the pair, the draft killed after a few steps: the engine
     decodes plainly while the link brings a fresh draft up; the reply is plain decoding's."""
-    # generate's list is invariant: a copy typed as prompts
-    prompts: list[Prompt] = list(ragged_prompts(4, prompt_lengths, target.cfg.vocab_size, seed=99))
+    prompts = list(ragged_prompts(4, prompt_lengths, target.cfg.vocab_size, seed=99))
 
     def make_engine(draft: DraftTransport | None) -> DLiteEngine:
         return DLiteEngine(target, IdTokenizer(), draft, max_kv_tokens=32768, lookup_tokens=0,

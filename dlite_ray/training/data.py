@@ -28,7 +28,6 @@ import torch
 from tqdm import tqdm
 
 from dlite_ray.engine.engine import DLiteEngine, GenerationResult
-from dlite_ray.engine.prompts import Prompt
 from dlite_ray.training.prompts import PromptSample, tool_turn
 
 log = logging.getLogger(__name__)
@@ -58,8 +57,7 @@ def answer_prompts(engine: DLiteEngine, samples: list[PromptSample], max_new_tok
     # per step for every request in flight.
     for i in tqdm(range(0, len(single), batch_size), desc="target replies", unit="chunk"):
         prompts = [engine.encode(s.messages) for s in single[i:i + batch_size]]
-        batch: list[Prompt] = list(prompts)  # generate's list is invariant: a copy typed as prompts
-        results = engine.generate(batch, max_new_tokens=max_new_tokens, trace_top_k=TOP_K)
+        results = engine.generate(prompts, max_new_tokens=max_new_tokens, trace_top_k=TOP_K)
         out += [record_of(prompt, r) for prompt, r in zip(prompts, results)]
     conversations = [s for s in samples if s.later_turns]
     for i in tqdm(range(0, len(conversations), batch_size), desc="multi-turn replies", unit="chunk"):
@@ -84,8 +82,7 @@ def _answer_conversations(engine: DLiteEngine, samples: list[PromptSample], max_
         live = [i for i in live if len(prompts[i]) + max_new_tokens < engine.runner.max_context]
         if not live:
             break
-        batch: list[Prompt] = [prompts[i] for i in live]
-        replies = engine.generate(batch, max_new_tokens=max_new_tokens, trace_top_k=TOP_K)
+        replies = engine.generate([prompts[i] for i in live], max_new_tokens=max_new_tokens, trace_top_k=TOP_K)
         for i, reply in zip(live, replies):
             out.append(record_of(prompts[i], reply))
             chats[i].append({"role": "assistant", "content": reply.text})

@@ -65,3 +65,13 @@ def test_a_bad_request_leaves_the_engine_usable(engine):
         engine.generate(["fine", ""])
     assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
     assert len(engine.generate("hello", max_new_tokens=5)[0].token_ids) == 5
+
+
+def test_a_tuple_of_prompts_is_a_batch(engine):
+    """generate takes any sequence of prompts (its type says so): a tuple answers each prompt
+    as a list does, and one id list stays one prompt."""
+    prompts = ([5, 6, 7], "hello")
+    as_tuple = engine.generate(prompts, max_new_tokens=3)
+    as_list = engine.generate(list(prompts), max_new_tokens=3)
+    assert [r.token_ids for r in as_tuple] == [r.token_ids for r in as_list]
+    assert len(engine.generate([5, 6, 7], max_new_tokens=3)) == 1
