@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+from dlite_ray.engine.prompts import Messages
 from dlite_ray.engine.structured_output import ANY_JSON_OBJECT, grammar_for_schema
 
 
@@ -40,13 +41,13 @@ WEATHER = {"type": "function", "function": {
 CITIES = ["Berlin", "Tokyo", "Oslo", "Lisbon", "Cairo", "Lima", "Seoul", "Quebec City"]
 
 
-def structured_requests(limit: int) -> list[tuple[str, list[dict], str]]:
+def structured_requests(limit: int) -> list[tuple[str, Messages, str]]:
     """(id, messages, grammar) per request."""
     return [(f"json-{i}", [{"role": "user", "content": q}], grammar_for_schema(schema))
             for i, (q, schema) in enumerate(STRUCTURED_REQUESTS[:limit])]
 
 
-def forced_tool_requests(limit: int) -> list[tuple[str, list[dict], str]]:
+def forced_tool_requests(limit: int) -> list[tuple[str, Messages, str]]:
     """(id, messages, grammar) per request: the prompt and grammar the server builds for
     `tool_choice` naming get_weather."""
     from dlite_ray.serve.config import LimitArgs
@@ -57,13 +58,15 @@ def forced_tool_requests(limit: int) -> list[tuple[str, list[dict], str]]:
         body = {"messages": [*weather_history(), {"role": "user", "content": f"Weather in {city}?"}],
                 "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
         parsed = parse_chat(body, LimitArgs())
-        out.append((f"call-{city.lower().replace(' ', '-')}", parsed.prompt, parsed.params.grammar))
+        messages, grammar = parsed.prompt, parsed.params.grammar
+        assert isinstance(messages, list) and grammar is not None  # a chat whose tool_choice forces a call
+        out.append((f"call-{city.lower().replace(' ', '-')}", messages, grammar))
     return out
 
 
 def weather_history() -> list[dict]:
     """Two earlier turns of the loop: a call, its result and the answer, as OpenAI messages."""
-    history = []
+    history: list[dict] = []
     for city, weather in (("Paris", "18 C, sunny"), ("Rome", "24 C, clear")):
         call = {"id": f"call_{city}", "type": "function",
                 "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}

@@ -78,6 +78,7 @@ def _held_turn(stub, metadata, messages: list[dict], max_tokens: int) -> dict:
 
 def _evicted_turn(stub, metadata, messages: list[dict], fillers: list[list[dict]], max_tokens: int) -> dict:
     from dlite_ray.serve.proto import dlite_pb2
+    from dlite_ray.serve.proto_convert import proto_messages
 
     conv = _create(stub, metadata, messages)
     _turn(stub, metadata, conv, [], max_tokens, lease_s=1)
@@ -88,7 +89,7 @@ def _evicted_turn(stub, metadata, messages: list[dict], fillers: list[list[dict]
             raise RuntimeError("the lease never expired")
         time.sleep(0.5)
     for filler in fillers:  # other traffic, no lease: it may take any unpinned block
-        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in filler], max_tokens=1)
+        req = dlite_pb2.GenerateRequest(messages=proto_messages(filler), max_tokens=1)
         list(stub.Generate(req, metadata=metadata, timeout=600))
     return {**_turn(stub, metadata, conv, [_tool_message()], max_tokens, lease_s=1), "conversation": conv}
 
@@ -99,20 +100,24 @@ def _tool_message() -> dict:
 
 def _create(stub, metadata, messages: list[dict]) -> str:
     from dlite_ray.serve.proto import dlite_pb2
+    from dlite_ray.serve.proto_convert import proto_messages
 
-    req = dlite_pb2.CreateConversationRequest(messages=[dlite_pb2.Message(**m) for m in messages])
+    req = dlite_pb2.CreateConversationRequest(messages=proto_messages(messages))
     return stub.CreateConversation(req, metadata=metadata, timeout=60).conversation_id
 
 
 def _turn(stub, metadata, conv: str, new: list[dict], max_tokens: int, lease_s: int) -> dict:
     from dlite_ray.serve.proto import dlite_pb2
+    from dlite_ray.serve.proto_convert import proto_messages
 
-    req = dlite_pb2.AppendRequest(conversation_id=conv, messages=[dlite_pb2.Message(**m) for m in new],
+    req = dlite_pb2.AppendRequest(conversation_id=conv, messages=proto_messages(new),
                                   max_tokens=max_tokens, lease_seconds=lease_s)
     start = time.perf_counter()
     first, last = None, None
     for chunk in stub.AppendAndGenerate(req, metadata=metadata, timeout=600):
         first = first if first is not None else time.perf_counter()
         last = chunk
+    if first is None or last is None:
+        raise RuntimeError(f"conversation {conv}: the turn's stream ended without a chunk")
     return {"ttft_s": first - start, "total_s": time.perf_counter() - start,
             "cached_prompt_tokens": last.stats.cached_prompt_tokens, "prompt_tokens": last.stats.num_prompt_tokens}

@@ -126,12 +126,13 @@ class Client:
 
     def tool_loop(self, deadline: float, records: list[Record]) -> LoopOutcome:
         from dlite_ray.serve.proto import dlite_pb2
+        from dlite_ray.serve.proto_convert import proto_messages
 
         expected = [{"role": "system", "content": TOOLS_SYSTEM},
                     {"role": "user", "content": self.rng.choice(HELD_OUT_CHAT)}]
         try:
             conv = self.stub.CreateConversation(dlite_pb2.CreateConversationRequest(
-                messages=[dlite_pb2.Message(**m) for m in expected]), metadata=self.metadata,
+                messages=proto_messages(expected)), metadata=self.metadata,
                 timeout=self.cfg.request_timeout_s)
         except Exception as exc:  # noqa: BLE001 - counted like any failed request
             records.append(Record("create", expected, False, error=_error_kind(exc), error_detail=_detail(exc)))
@@ -190,16 +191,18 @@ class Client:
 
     def _grpc_generate(self, record: Record, sampling: dict) -> None:
         from dlite_ray.serve.proto import dlite_pb2
+        from dlite_ray.serve.proto_convert import proto_messages
 
-        req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in record.messages],
+        req = dlite_pb2.GenerateRequest(messages=proto_messages(record.messages),
                                         max_tokens=self.cfg.max_tokens, **sampling)
         self._collect(record, self.stub.Generate(req, metadata=self.metadata, timeout=self.cfg.request_timeout_s))
 
     def _grpc_turn(self, record: Record, conversation_id: str, new: list[dict]) -> None:
         from dlite_ray.serve.proto import dlite_pb2
+        from dlite_ray.serve.proto_convert import proto_messages
 
         req = dlite_pb2.AppendRequest(conversation_id=conversation_id, max_tokens=self.cfg.max_tokens,
-                                      messages=[dlite_pb2.Message(**m) for m in new])
+                                      messages=proto_messages(new))
         self._collect(record, self.stub.AppendAndGenerate(req, metadata=self.metadata,
                                                           timeout=self.cfg.request_timeout_s))
 

@@ -26,7 +26,15 @@ import tracemalloc
 
 import torch
 
-from dlite_ray.bench.methods import ASSISTANT_LAYERS, HF_METHODS, EngineMethod, hf_method, hf_target, truncated_draft
+from dlite_ray.bench.methods import (
+    ASSISTANT_LAYERS,
+    HF_METHODS,
+    EngineMethod,
+    HFMethod,
+    hf_method,
+    hf_target,
+    truncated_draft,
+)
 from dlite_ray.bench.workloads import long_context_text
 from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.sequence import SamplingParams
@@ -112,6 +120,7 @@ def _one_method_peak(name: str, dtype: str, context: int) -> int:
 
     from dlite_ray.runtime.model_store import default_model_dir
 
+    method: HFMethod | EngineMethod
     if name in HF_METHODS:
         method = hf_method(name, hf_target(None, dtype))
         tokenizer = AutoTokenizer.from_pretrained(default_model_dir())

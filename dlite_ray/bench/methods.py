@@ -61,15 +61,15 @@ class EngineMethod:
 class _TimingStreamer:
     """transformers streamer that timestamps each emission (the first put is the prompt)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.times: list[float] = []
         self.counts: list[int] = []
 
-    def put(self, value):
+    def put(self, value: torch.Tensor) -> None:
         self.times.append(time.perf_counter())
         self.counts.append(int(value.numel()))
 
-    def end(self):
+    def end(self) -> None:
         pass
 
 

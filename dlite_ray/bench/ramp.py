@@ -16,7 +16,7 @@ import statistics
 import time
 
 from dlite_ray.engine.engine import DLiteEngine
-from dlite_ray.engine.sequence import SamplingParams
+from dlite_ray.engine.sequence import SamplingParams, Sequence
 
 REQUESTS_PER_PEAK = 4  # R = 4 x the peak: each size is crossed by a few admissions up and down
 
@@ -34,7 +34,8 @@ def run_ramp(engine: DLiteEngine, prompts: list[list[int]], peak: int, max_new_t
     """One pass of the ramp over `prompts` (cycled to REQUESTS_PER_PEAK x peak requests):
     generated tokens/s, the in-flight count of every step, and the replies in order."""
     total = REQUESTS_PER_PEAK * peak
-    seqs, in_flight = [], []
+    seqs: list[Sequence] = []
+    in_flight: list[int] = []
     start = time.perf_counter()
     while len(seqs) < total or any(not s.is_finished for s in seqs):
         running = sum(not s.is_finished for s in seqs)

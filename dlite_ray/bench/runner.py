@@ -28,7 +28,7 @@ from dlite_ray.bench.report import paired_ratio_line, write_report
 from dlite_ray.bench.stats import percentile, quartiles
 from dlite_ray.bench.workloads import Item, load_workload
 from dlite_ray.constants import DEFAULT_LOOKUP_TOKENS, TREE_TOKENS
-from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.engine import DLiteEngine, GenerationResult
 from dlite_ray.engine.engine_config import EngineConfig, resolve_dtype
 from dlite_ray.engine.loading import default_draft_dir, load_corpus, load_draft
 from dlite_ray.engine.reply_corpus import ReplyCorpus
@@ -168,6 +168,8 @@ def build_methods(names: list[str], dlite: DLiteEngine, ar: DLiteEngine, prompts
             methods[name] = EngineMethod(name, dlite)
         elif name == "dlite-b":  # another draft (--draft-b) on the same target: two drafts side by side
             draft_b = default_draft_dir() if args.draft_b == "default" else args.draft_b
+            if draft_b is None:
+                raise ValueError("dlite-b: no default draft is shipped here; give --draft-b a draft directory")
             methods[name] = EngineMethod(name, DLiteEngine(dlite.target, dlite.tokenizer,
                                                            load_draft(draft_b, dlite.target, args.dtype),
                                                            lookup_tokens=lookup,
@@ -226,7 +228,7 @@ def measure(methods: dict, items: list[BenchRequest], args) -> dict:
     warm_up = items[0]._replace(ids=items[0].ids[:16])  # a prefix: the measured prompts stay uncached
     for m in methods.values():
         _run(m, warm_up, 8)
-    rows = {name: [] for name in methods}
+    rows: dict[str, list[dict]] = {name: [] for name in methods}
     for request in tqdm(items, desc="prompts", unit="prompt"):
         runs: dict[str, list[Run]] = {name: [] for name in methods}
         for rep in range(args.repeats):
@@ -339,7 +341,7 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
                 results = engine.generate(batch, max_new_tokens=max_new_tokens)
                 wall = time.perf_counter() - start
                 replies[name] = [r.token_ids for r in results]
-                latencies = [r.stats.ttft + r.stats.decode_wall_time for r in results]
+                latencies = [_latency(r) for r in results]
                 runs[name].append({
                     "tokens_per_second": sum(len(r.token_ids) for r in results) / wall,
                     "decode_tokens_per_second": _decode_phase_rate(results),
@@ -355,6 +357,13 @@ def measure_concurrency(engines: dict[str, DLiteEngine], items: list[list[int]],
         print(f"concurrency {n:>3}: dlite {out[str(n)]['dlite']['tokens_per_second']:.1f} tok/s, "
               f"ar {out[str(n)]['ar']['tokens_per_second']:.1f} tok/s, ratio {ratio:.2f}x")
     return out
+
+
+def _latency(result: GenerationResult) -> float:
+    """Seconds from a request's arrival to its last token."""
+    if result.stats.ttft is None:  # a reply ended before its first token: nothing to time
+        raise RuntimeError(f"a reply without a first token ({result.finish_reason}: {result.error})")
+    return result.stats.ttft + result.stats.decode_wall_time
 
 
 def _decode_phase_rate(results: list) -> float:

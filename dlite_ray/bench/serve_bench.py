@@ -10,15 +10,17 @@ import time
 
 from tqdm import tqdm
 
-from dlite_ray.bench.workloads import load_workload
+from dlite_ray.bench.workloads import Item, load_workload
 from dlite_ray.engine.engine import DLiteEngine
+from dlite_ray.engine.prompts import Messages
 
 
 def _grpc_run(stub, metadata, messages: list[dict], max_tokens: int) -> tuple[float, list[int]]:
     """Decode tokens/s of one served reply (from its first chunk to its last) and its tokens."""
     from dlite_ray.serve.proto import dlite_pb2
+    from dlite_ray.serve.proto_convert import proto_messages
 
-    req = dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in messages], max_tokens=max_tokens)
+    req = dlite_pb2.GenerateRequest(messages=proto_messages(messages), max_tokens=max_tokens)
     times, tokens, first_count = [], [], 0
     for chunk in stub.Generate(req, metadata=metadata, timeout=600):
         times.append(time.perf_counter())
@@ -27,6 +29,13 @@ def _grpc_run(stub, metadata, messages: list[dict], max_tokens: int) -> tuple[fl
             first_count = len(tokens)
     decode = times[-1] - times[0]
     return ((len(tokens) - first_count) / decode if decode > 0 else 0.0), tokens
+
+
+def _chat(item: Item) -> Messages:
+    """The item's chat messages: gRPC's Generate takes messages, not a raw completion prompt."""
+    if item.messages is None:
+        raise ValueError(f"bench-serve sends chat messages; {item.id} is a raw prompt")
+    return item.messages
 
 
 def run(args) -> dict:
@@ -44,15 +53,15 @@ def run(args) -> dict:
         metadata = (("application", "dlite"), ("authorization", f"Bearer {keys[0]}"))
         worker = serve.get_deployment_handle("TargetWorker", app_name="dlite")
         stub = dlite_pb2_grpc.DLiteServiceStub(grpc.insecure_channel(f"127.0.0.1:{GRPC_PORT}"))
-        _grpc_run(stub, metadata, items[0].messages, 8)
-        library.generate(items[0].messages, max_new_tokens=8)
+        _grpc_run(stub, metadata, _chat(items[0]), 8)
+        library.generate(_chat(items[0]), max_new_tokens=8)
         served, lib, rounds, mismatched = [], [], 0, []
         comm_before = worker.stats.remote().result().draft_comm_time_s
         for item in tqdm(items, desc="bench-serve", unit="prompt"):
             for _ in range(args.repeats):
-                tps, tokens = _grpc_run(stub, metadata, item.messages, args.max_new_tokens)
+                tps, tokens = _grpc_run(stub, metadata, _chat(item), args.max_new_tokens)
                 served.append(tps)
-                r = library.generate(item.messages, max_new_tokens=args.max_new_tokens)[0]
+                r = library.generate(_chat(item), max_new_tokens=args.max_new_tokens)[0]
                 lib.append(r.stats.decode_tokens_per_second)
                 rounds += len(r.stats.accept_lengths)
                 if tokens != r.token_ids:

@@ -153,8 +153,9 @@ class Abuser:
 
     def _generate_request(self, messages: list[dict], max_tokens: int = 16):
         from dlite_ray.serve.proto import dlite_pb2
+        from dlite_ray.serve.proto_convert import proto_messages
 
-        return dlite_pb2.GenerateRequest(messages=[dlite_pb2.Message(**m) for m in messages], max_tokens=max_tokens)
+        return dlite_pb2.GenerateRequest(messages=proto_messages(messages), max_tokens=max_tokens)
 
     def _long_messages(self) -> list[dict]:
         """Every message under max_message_chars, together over max_prompt_chars."""
@@ -187,9 +188,10 @@ def _grpc_prompt_over_limit(a: Abuser) -> None:
 
 def _grpc_history_over_limit(a: Abuser) -> None:
     from dlite_ray.serve.proto import dlite_pb2
+    from dlite_ray.serve.proto_convert import proto_messages
 
     a._call(a.stub.CreateConversation, dlite_pb2.CreateConversationRequest(
-        messages=[dlite_pb2.Message(**m) for m in a._long_messages()]))
+        messages=proto_messages(a._long_messages())))
 
 
 def _http_stream_dropped(a: Abuser) -> None:

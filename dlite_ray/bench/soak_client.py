@@ -134,6 +134,7 @@ class SoakClient(Client):
     def tool_loop_kept(self, deadline: float) -> ConversationLog | None:
         """A tool loop whose conversation is kept (and checked) instead of deleted."""
         from dlite_ray.serve.proto import dlite_pb2
+        from dlite_ray.serve.proto_convert import proto_messages
 
         expected = [{"role": "system", "content": TOOLS_SYSTEM},
                     {"role": "user", "content": self.rng.choice(HELD_OUT_CHAT)}]
@@ -141,7 +142,7 @@ class SoakClient(Client):
 
         def create(_record: Record) -> None:
             created.append(self.stub.CreateConversation(dlite_pb2.CreateConversationRequest(
-                messages=[dlite_pb2.Message(**m) for m in expected]), metadata=self.metadata,
+                messages=proto_messages(expected)), metadata=self.metadata,
                 timeout=self.cfg.request_timeout_s).conversation_id)
 
         if self._retried(lambda: Record("create", expected, False), create)[-1].error:
@@ -213,9 +214,10 @@ class SoakClient(Client):
 
     def _keyed_turn(self, record: Record, conversation_id: str, new: list[dict], key: str, max_tokens: int) -> None:
         from dlite_ray.serve.proto import dlite_pb2
+        from dlite_ray.serve.proto_convert import proto_messages
 
         req = dlite_pb2.AppendRequest(conversation_id=conversation_id, max_tokens=max_tokens,
-                                      messages=[dlite_pb2.Message(**m) for m in new])
+                                      messages=proto_messages(new))
         self._collect(record, self.stub.AppendAndGenerate(req, metadata=self.metadata + (("idempotency-key", key),),
                                                           timeout=self.cfg.request_timeout_s))
         if not record.token_ids:  # a replayed reply carries its text only: checked by text

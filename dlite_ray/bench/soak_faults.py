@@ -45,7 +45,7 @@ def plan_faults(duration_s: float, period_s: float, kinds: tuple[str, ...] = FAU
     if not kinds or unknown:
         raise ValueError(f"fault kinds must be a non-empty list of {', '.join(FAULT_KINDS)}; got {list(kinds)}")
     at = period_s / 2 if first_at_s is None else first_at_s
-    plan = []
+    plan: list[PlannedFault] = []
     while at < duration_s:
         plan.append(PlannedFault(at, kinds[len(plan) % len(kinds)]))
         at += period_s

@@ -52,7 +52,9 @@ def summarize_soak(cfg, attempts: list[Attempt], conversations: list[Conversatio
         by_request[a.request].append(a)
     end_to_end = [rs[-1].ended_s - rs[0].started_s for rs in by_request.values()
                   if rs[-1].phase == SOAK and rs[-1].record.error is None and rs[-1].record.kind in LATENCY_KINDS]
-    explained, unexplained, settling = Counter(), Counter(), Counter()
+    explained: Counter[str] = Counter()
+    unexplained: Counter[str] = Counter()
+    settling: Counter[str] = Counter()
     examples: dict[str, str] = {}
     for a in attempts:
         kind = a.record.error
@@ -88,11 +90,11 @@ def summarize_soak(cfg, attempts: list[Attempt], conversations: list[Conversatio
         "stuck_conversations": sum(_stuck(c.probe) for c in conversations),
         "probes": dict(Counter(c.probe for c in conversations)),
     }
-    a = summarize_abuse(abuse, lambda s, e: overlaps(s, e, explaining))
-    a["conversations_probed"] = len(abuser_probes)
-    a["probes"] = dict(Counter(abuser_probes))
-    a["stuck_conversations"] = sum(_stuck(p) for p in abuser_probes)
-    report = {"config": asdict(cfg) | {"stuck_bound_s": stuck_bound(cfg)}, "tenant_b": b, "tenant_a": a,
+    tenant_a = summarize_abuse(abuse, lambda s, e: overlaps(s, e, explaining))
+    tenant_a["conversations_probed"] = len(abuser_probes)
+    tenant_a["probes"] = dict(Counter(abuser_probes))
+    tenant_a["stuck_conversations"] = sum(_stuck(p) for p in abuser_probes)
+    report = {"config": asdict(cfg) | {"stuck_bound_s": stuck_bound(cfg)}, "tenant_b": b, "tenant_a": tenant_a,
               "faults": [asdict(f) | {"recovery_s": f.recovery_s} for f in faults], "greedy": greedy,
               "thread_errors": thread_errors or []}
     report["verdict"] = verdict(report, cfg.max_p99_ratio)

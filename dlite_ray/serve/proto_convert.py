@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from dlite_ray.engine.request_stats import RequestStats
 from dlite_ray.serve.logprobs import LogprobEntry, TopLogprob
 from dlite_ray.serve.proto import dlite_pb2
@@ -32,8 +34,12 @@ def _proto_token(token: TopLogprob) -> dlite_pb2.TokenLogprob:
 
 def proto_conversation(conv: ConversationView) -> dlite_pb2.Conversation:
     return dlite_pb2.Conversation(conversation_id=conv["id"], state=conv["state"], version=conv["version"],
-                                  messages=[dlite_pb2.Message(role=m["role"], content=m["content"])
-                                            for m in conv["messages"]])  # stored as parse_messages made them
+                                  messages=proto_messages(conv["messages"]))  # stored as parse_messages made them
+
+
+def proto_messages(messages: Iterable[Mapping[str, str]]) -> list[dlite_pb2.Message]:
+    """Chat messages ({"role", "content"}) as dlite.v1 Messages."""
+    return [dlite_pb2.Message(role=m["role"], content=m["content"]) for m in messages]
 
 
 def _proto_stats(stats: RequestStats | None) -> dlite_pb2.Stats | None:
