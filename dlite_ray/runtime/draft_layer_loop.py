@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlite_ray.runtime import fused_ops
-from dlite_ray.runtime.frozen_linear import RowLinear
+from dlite_ray.runtime.layers import decoder_layers, row_linears
 
 if TYPE_CHECKING:
     from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -28,14 +28,19 @@ class DraftLayerLoop:
 
     def __init__(self, draft: DLiteDraftModel):
         lc = draft.cfg.layers
-        self._layers = fused_ops.kernels().DraftLayers(
+        ops = fused_ops.kernels()
+        if ops is None:
+            raise RuntimeError("the fused CPU kernels are not loaded (see DraftLayerLoop.for_model)")
+        self._layers = ops.DraftLayers(
             lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.intermediate_size, lc.rms_norm_eps,
             draft.cfg.conventions.context_layernorm, draft.norm.weight.detach())
-        for layer in draft.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self._layers.add_layer(layer.input_layernorm.weight.detach(), attn.qkv.packed, attn.qkv.bias,
-                                   attn.o_proj.forward.packed, layer.post_attention_layernorm.weight.detach(),
-                                   mlp.gate_up.packed, mlp.down_proj.forward.packed)
+        for layer in decoder_layers(draft.layers):
+            linears = row_linears(layer)
+            if linears is None:
+                raise ValueError("a layer's linears are not all RowLinear (see DraftLayerLoop.for_model)")
+            qkv, o_proj, gate_up, down_proj = linears
+            self._layers.add_layer(layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o_proj.packed,
+                                   layer.post_attention_layernorm.weight.detach(), gate_up.packed, down_proj.packed)
 
     @classmethod
     def for_model(cls, draft: DLiteDraftModel) -> DraftLayerLoop | None:
@@ -47,11 +52,10 @@ class DraftLayerLoop:
         if draft.cfg.layers.qk_norm:
             return None
         dtype = draft.norm.weight.dtype
-        for layer in draft.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv, attn.o_proj.forward, mlp.gate_up, mlp.down_proj.forward)
+        for layer in decoder_layers(draft.layers):
+            linears = row_linears(layer)
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(type(lin) is RowLinear and lin.weight.dtype == dtype for lin in linears):
+            if linears is None or any(lin.weight.dtype != dtype for lin in linears):
                 return None
             if any(n.dtype != dtype for n in norms):
                 return None

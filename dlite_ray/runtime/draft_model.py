@@ -27,7 +27,7 @@ from dlite_ray.runtime.draft_config import DraftConfig, DraftConfigError
 from dlite_ray.runtime.draft_layer_loop import DraftLayerLoop
 from dlite_ray.runtime.draft_vocab import DRAFT_VOCAB_FILE, load_draft_vocab
 from dlite_ray.runtime.frozen_linear import freeze_linears
-from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary
+from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, apply_rotary, decoder_layers
 from dlite_ray.runtime.sampling import RowSampling, probabilities, race, uniforms
 from dlite_ray.runtime.sequential_head import DLiteSequentialHead
 from dlite_ray.runtime.target_probe import check_probe, probe_of
@@ -115,7 +115,7 @@ class DLiteDraftModel(nn.Module):
         # The public convention: k/v read the context slots as context_norm leaves them; our
         # own drafts were trained with each layer's input_layernorm on them too.
         kv_norm = self.cfg.conventions.context_layernorm
-        for layer in self.layers:
+        for layer in decoder_layers(self.layers):
             ctx_kv_in = layer.input_layernorm(ctx) if kv_norm else ctx
             hist_kv_in = None
             if history is not None:
@@ -160,8 +160,8 @@ class DLiteDraftModel(nn.Module):
         if all_greedy is None:
             all_greedy = bool(draft_greedy.all())
         if all_greedy:
-            tokens, runners_up = head.greedy_block(u, state, token)
-            return DraftProposal(tokens, None, runners_up=runners_up)
+            block, block_runners_up = head.greedy_block(u, state, token)
+            return DraftProposal(block, None, runners_up=block_runners_up)
         tokens, probs, runners_up = [], [], []
         noise = None  # [N, K, W]: the round's uniforms, drawn at once (the same streams as K draws)
         for k in range(num_tokens):
@@ -186,7 +186,7 @@ class DLiteDraftModel(nn.Module):
         not per weight byte: on CPU a bf16 linear of this size costs ~55 us a call, a float32
         one ~12 us (the R -> V projection ~95 vs ~60 us). Its V x R tables then take ~13 MB
         more, next to a target of hundreds of MB."""
-        for layer in self.layers:
+        for layer in decoder_layers(self.layers):
             layer.self_attn.freeze()
             layer.mlp.freeze()
         self.sequential_head.float()

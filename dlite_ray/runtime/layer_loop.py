@@ -19,8 +19,8 @@ import torch
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention.metadata import AttentionMetadata, _context_slots
 from dlite_ray.runtime.attention.sdpa import SdpaBackend, positioned
-from dlite_ray.runtime.frozen_linear import RowLinear
 from dlite_ray.runtime.kv_cache import PagedKVCache
+from dlite_ray.runtime.layers import decoder_layers, row_linears
 
 if TYPE_CHECKING:
     from dlite_ray.runtime.target_model import TargetModel
@@ -32,13 +32,18 @@ class LayerLoop:
     def __init__(self, model: TargetModel):
         cfg = model.cfg
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self._layers = fused_ops.kernels().DecoderLayers(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                                                         cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self._layers.add_layer(layer.input_layernorm.weight.detach(), attn.qkv.packed, attn.qkv.bias,
-                                   attn.o_proj.forward.packed, layer.post_attention_layernorm.weight.detach(),
-                                   mlp.gate_up.packed, mlp.down_proj.forward.packed)
+        ops = fused_ops.kernels()
+        if ops is None:
+            raise RuntimeError("the fused CPU kernels are not loaded (see LayerLoop.for_model)")
+        self._layers = ops.DecoderLayers(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                         cfg.intermediate_size, cfg.rms_norm_eps)
+        for layer in decoder_layers(model.layers):
+            linears = row_linears(layer)
+            if linears is None:
+                raise ValueError("a layer's linears are not all RowLinear (see LayerLoop.for_model)")
+            qkv, o_proj, gate_up, down_proj = linears
+            self._layers.add_layer(layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o_proj.packed,
+                                   layer.post_attention_layernorm.weight.detach(), gate_up.packed, down_proj.packed)
 
     @classmethod
     def for_model(cls, model: TargetModel) -> LayerLoop | None:
@@ -50,11 +55,9 @@ class LayerLoop:
         cfg, dtype = model.cfg, model.embed_tokens.weight.dtype
         if cfg.qk_norm or not fused_ops.decode_kernel_serves(cfg.head_dim, dtype):
             return None
-        for layer in model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv, attn.o_proj.forward, mlp.gate_up, mlp.down_proj.forward)
+        for layer in decoder_layers(model.layers):
             norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if not all(type(lin) is RowLinear for lin in linears) or any(n.dtype != dtype for n in norms):
+            if row_linears(layer) is None or any(n.dtype != dtype for n in norms):
                 return None
         return cls(model)
 
@@ -73,3 +76,4 @@ class LayerLoop:
         x, tapped = self._layers.forward(x, cos.reshape(rows, -1), signed_sin.reshape(rows, -1), cache.k_layers,
                                          cache.v_layers, meta.slot_mapping, spans, taps)
         return x, dict(zip(taps, tapped))
+

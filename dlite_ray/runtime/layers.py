@@ -7,7 +7,8 @@ over a paged cache (target) or bidirectional attention over one block (draft).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from torch import nn
 
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.config import ModelConfig
-from dlite_ray.runtime.frozen_linear import FrozenLinear, freeze_linear, freeze_linears
+from dlite_ray.runtime.frozen_linear import FrozenLinear, RowLinear, freeze_linear, freeze_linears
 from dlite_ray.runtime.fused_ops import apply_rotary
 
 # (q [..., Hq, Dh], k [..., Hkv, Dh], v [..., Hkv, Dh]) -> out [..., Hq, Dh]
@@ -49,6 +50,8 @@ class RMSNorm(nn.Module):
 
 class Rotary(nn.Module):
     """Rotate-half RoPE (the Hugging Face convention); cos/sin built once per forward."""
+
+    inv_freq: torch.Tensor  # [Dh / 2] a buffer (registered in __init__)
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
@@ -111,12 +114,14 @@ class Attention(nn.Module):
         if self.qkv is not None:
             # Frozen, q and k sit side by side in one output: rotating (and norming) the q and
             # k heads in one go cuts the small operations rotation costs a decode step.
-            norms = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q_norm, k_norm = self.q_norm, self.k_norm  # both set or neither (cfg.qk_norm)
+            norms = None if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight, q_norm.eps)
             return fused_ops.rotate_qkv(self.qkv(x), cos, sin, hq, hkv, norms)
         q, k, v = self.project_qkv(x)
         q, k, v = q.unflatten(-1, (hq, dh)), k.unflatten(-1, (hkv, dh)), v.unflatten(-1, (hkv, dh))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
@@ -150,3 +155,19 @@ class DecoderLayer(nn.Module):
         normed, x = self.post_attention_layernorm.after_residual(
             x, self.self_attn(self.input_layernorm(x), cos, sin, attend))
         return x + self.mlp(normed)
+
+
+def decoder_layers(layers: nn.ModuleList) -> Iterable[DecoderLayer]:
+    """A model's `layers` as what they hold (nn.ModuleList types its items as nn.Module)."""
+    return cast("Iterable[DecoderLayer]", layers)
+
+
+def row_linears(layer: DecoderLayer) -> tuple[RowLinear, RowLinear, RowLinear, RowLinear] | None:
+    """A frozen layer's q/k/v, o, gate/up and down linears where each computes through
+    `RowLinear` (what the loops' kernels read), else None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, o_proj, gate_up, down_proj = attn.qkv, attn.o_proj.forward, mlp.gate_up, mlp.down_proj.forward
+    if (type(qkv) is RowLinear and type(o_proj) is RowLinear and type(gate_up) is RowLinear
+            and type(down_proj) is RowLinear):
+        return qkv, o_proj, gate_up, down_proj
+    return None

@@ -20,7 +20,7 @@ from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.frozen_linear import freeze_linears
 from dlite_ray.runtime.kv_cache import PagedKVCache
 from dlite_ray.runtime.layer_loop import LayerLoop
-from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary
+from dlite_ray.runtime.layers import DecoderLayer, RMSNorm, Rotary, decoder_layers
 
 
 @dataclass(slots=True)
@@ -68,7 +68,8 @@ class TargetModel(nn.Module):
             x, taps = self.layer_loop.run(x, cos, sin, batch.attention, cache, tap_layers)
         else:
             x, taps = self.run_layers(x, cos, sin, batch.attention, cache, backend, tap_layers)
-        taps = {i: tap.index_select(0, batch.tap_indices) for i, tap in taps.items()}
+        if batch.tap_indices is not None:  # else no layer was tapped
+            taps = {i: tap.index_select(0, batch.tap_indices) for i, tap in taps.items()}
         last_layer = len(self.layers) - 1
         if batch.normed_last_tap and last_layer in taps:
             taps[last_layer] = self.norm(taps[last_layer])
@@ -95,7 +96,7 @@ class TargetModel(nn.Module):
     def freeze(self) -> None:
         """Inference only (the target is never trained here): fused q/k/v and gate/up weights,
         every linear fixed, and packed for the CPU's matrix unit where that pays."""
-        for layer in self.layers:
+        for layer in decoder_layers(self.layers):
             layer.self_attn.freeze()
             layer.mlp.freeze()
         freeze_linears(self.lm_head)

@@ -12,7 +12,10 @@ import torch
 from dlite_ray.engine.model_runner import RowInput
 from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS
+from dlite_ray.runtime.config import ModelConfig
+from dlite_ray.runtime.frozen_linear import FrozenLinear
 from dlite_ray.runtime.layer_loop import LayerLoop
+from dlite_ray.runtime.layers import DecoderLayer, row_linears
 from dlite_ray.runtime.loading import load_target
 from tests.conftest import make_tiny_checkpoint
 from tests.helpers import forward_all, new_runner, new_seq
@@ -103,3 +106,21 @@ def test_a_prompt_prefilled_in_one_chunk_equals_it_decoded_token_by_token(head_d
     prefilled = forward_all(runner, whole, prompt).logits
     decoded = torch.cat([forward_all(runner, stepwise, [t]).logits for t in prompt])
     assert torch.equal(prefilled, decoded)
+
+
+def test_row_linears_are_a_frozen_layers_four_linears_in_the_kernels_order(monkeypatch):
+    """What both loops hand their kernels, found on any CPU: RowLinear's packing is plain torch."""
+    cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=32, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      max_position_embeddings=256, tie_word_embeddings=False, attention_bias=False, qk_norm=False)
+    layer = DecoderLayer(cfg)
+    assert row_linears(layer) is None  # not frozen
+    monkeypatch.setattr(fused_ops, "row_linear_serves", lambda weight: True)
+    layer.self_attn.freeze()
+    layer.mlp.freeze()
+    attn, mlp = layer.self_attn, layer.mlp
+    expected = (attn.qkv, attn.o_proj.forward, mlp.gate_up, mlp.down_proj.forward)
+    found = row_linears(layer)
+    assert found is not None and all(a is b for a, b in zip(found, expected, strict=True))
+    mlp.down_proj.forward = FrozenLinear(mlp.down_proj.weight)  # one linear the kernels cannot read
+    assert row_linears(layer) is None
