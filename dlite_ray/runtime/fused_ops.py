@@ -236,7 +236,8 @@ def decode_kernel_serves(head_dim: int, dtype: torch.dtype) -> bool:
 def kernel_dtypes() -> frozenset[torch.dtype]:
     """The dtypes the build's AVX-512 kernels (`decode_attention`, `row_linear`) compute, none
     without the kernels (asked once, not in every layer)."""
-    names = kernels().kernel_dtypes() if kernels() is not None else []
+    ops = kernels()
+    names = ops.kernel_dtypes() if ops is not None else []
     return frozenset(getattr(torch, name) for name in names)
 
 
@@ -245,7 +246,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [T, Hq, Dh] at positions first .. first + T - 1, attending causally the keys and values
     of positions [0, first + T) at `slots` of one layer's head-major cache [Hkv, S, Dh]; each row
     computed as it would be alone (csrc/decode_attention.cpp). Only where `attends_decode_rows`."""
-    return kernels().decode_attention(q.contiguous(), k_cache, v_cache, slots, first)
+    ops = kernels()
+    assert ops is not None  # callers check `attends_decode_rows` / `attends_prefill_rows` first
+    return ops.decode_attention(q.contiguous(), k_cache, v_cache, slots, first)
 
 
 def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -254,7 +257,9 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     rows [start, start + len) of q, attended as `decode_attention(q[start:start + len],
     k_cache, v_cache, slots, first)` would, bit for bit; the chains' slots agree on the
     tree's context, positions [0, shared), whose keys are read once for every chain."""
-    return kernels().tree_attention(q.contiguous(), k_cache, v_cache, chains, shared)
+    ops = kernels()
+    assert ops is not None  # callers check `attends_decode_rows` first
+    return ops.tree_attention(q.contiguous(), k_cache, v_cache, chains, shared)
 
 
 def greedy_head(u: torch.Tensor, state: torch.Tensor, token: torch.Tensor, embedding: torch.Tensor,
@@ -264,8 +269,10 @@ def greedy_head(u: torch.Tensor, state: torch.Tensor, token: torch.Tensor, embed
     """The draft's sequential head, K greedy steps in one call, bit for bit its eager loop
     (csrc/draft_head.cpp; `DLiteSequentialHead.greedy_block`): u [N, K, D] float32 -> (tokens
     [N, K], runners-up [N, K]). The linears packed by `pack_row_linear`. Only where `serves(u)`."""
-    return kernels().greedy_head(u, state, token, embedding, state_packed, state_bias, hidden_packed, hidden_bias,
-                                 out_packed, out_features, out_ids)
+    ops = kernels()
+    assert ops is not None  # callers check `serves` first
+    return ops.greedy_head(u, state, token, embedding, state_packed, state_bias, hidden_packed, hidden_bias,
+                           out_packed, out_features, out_ids)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -310,7 +317,9 @@ def pack_row_linear(weight: torch.Tensor) -> torch.Tensor:
 def row_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with W packed by `pack_row_linear`: each row's bits the same
     in a call of any row count (csrc/row_linear.cpp). Only where `row_linear_serves`."""
-    return kernels().row_linear(x.contiguous(), packed, bias, out_features)
+    ops = kernels()
+    assert ops is not None  # callers check `row_linear_serves` first
+    return ops.row_linear(x.contiguous(), packed, bias, out_features)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

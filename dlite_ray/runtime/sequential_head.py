@@ -106,9 +106,11 @@ class DLiteSequentialHead(nn.Module):
     def _row_linears(self) -> tuple[RowLinear, RowLinear, RowLinear] | None:
         """W_s, W_h and the drafted rows of W_o where each is computed by our kernel
         (`freeze_linears` on a CPU that has it), else None."""
+        step, hidden = self.state_proj.forward, self.state_hidden_mlp.forward
         out = self._subset_proj if self._subset_proj is not None else self.output_proj.forward
-        linears = (self.state_proj.forward, self.state_hidden_mlp.forward, out)
-        return linears if all(isinstance(linear, RowLinear) for linear in linears) else None
+        if isinstance(step, RowLinear) and isinstance(hidden, RowLinear) and isinstance(out, RowLinear):
+            return step, hidden, out
+        return None
 
     def to_token_ids(self, index: torch.Tensor) -> torch.Tensor:
         """draft_logits indices -> token ids."""

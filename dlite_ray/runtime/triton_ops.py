@@ -105,7 +105,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm(x, (D,), weight, eps) over the last dim, any leading shape."""
     rows = _rows(x)
     out = torch.empty_like(rows)
-    _launch_norm(rows, None, None, weight, out, eps)
+    _launch_norm(rows, None, weight, out, eps)
     return out.view(x.shape)
 
 
@@ -114,15 +114,17 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
     """(rms_norm(residual + delta), residual + delta) in one kernel."""
     rows, res = _rows(delta), _rows(residual)
     summed, out = torch.empty_like(rows), torch.empty_like(rows)
-    _launch_norm(rows, res, summed, weight, out, eps)
+    _launch_norm(rows, (res, summed), weight, out, eps)
     return out.view(delta.shape), summed.view(delta.shape)
 
 
-def _launch_norm(x: torch.Tensor, res: torch.Tensor | None, summed: torch.Tensor | None, weight: torch.Tensor,
+def _launch_norm(x: torch.Tensor, residual: tuple[torch.Tensor, torch.Tensor] | None, weight: torch.Tensor,
                  out: torch.Tensor, eps: float) -> None:
+    """out = rms_norm(x), or with residual = (res, summed): summed = res + x, out = rms_norm(summed)."""
     d = x.shape[-1]
-    add = res is not None
-    _rms_norm_rows[(x.shape[0],)](x, res if add else x, summed if add else out, weight, out, x.stride(0),
+    add = residual is not None
+    res, summed = residual if residual is not None else (x, out)  # unread without ADD
+    _rms_norm_rows[(x.shape[0],)](x, res, summed, weight, out, x.stride(0),
                                   res.stride(0) if add else 0, summed.stride(0) if add else 0, out.stride(0), eps,
                                   D=d, D_PAD=triton.next_power_of_2(d), ADD=add)
 

@@ -140,14 +140,15 @@ def _attend_accelerator(meta: AttentionMetadata, q: torch.Tensor, k_all: torch.T
     hkv = k_all.shape[0]
     group = q.shape[1] // hkv
     exact = [s for s in meta.spans if positioned(s, group)]
-    if exact and meta.window_plan is None:
-        meta.window_plan = plan_windows(exact, [_context_slots(s, q.device) for s in exact], q.shape[1],
-                                        hkv, WINDOW, MAX_POSITIONED_ROWS, q.dtype, q.device)
-    if len(exact) == len(meta.spans):  # a decode / verify step: the plan covers every token, in order
-        return attend_windows(meta.window_plan, q, k_all, v_all)
+    plan = meta.window_plan  # set by the forward's first layer where it has exact spans
+    if exact and plan is None:
+        plan = meta.window_plan = plan_windows(exact, [_context_slots(s, q.device) for s in exact], q.shape[1],
+                                               hkv, WINDOW, MAX_POSITIONED_ROWS, q.dtype, q.device)
+    if plan is not None and len(exact) == len(meta.spans):  # a decode / verify step: the plan covers every token
+        return attend_windows(plan, q, k_all, v_all)
     out = torch.empty_like(q)
-    if exact:
-        out[meta.window_plan.tokens] = attend_windows(meta.window_plan, q, k_all, v_all)
+    if exact and plan is not None:
+        out[plan.tokens] = attend_windows(plan, q, k_all, v_all)
     for span in meta.spans:
         if not positioned(span, group):
             out[span.q_start:span.q_start + span.q_len] = attend_prefill_span(q, k_all, v_all, span)
@@ -255,6 +256,7 @@ def _window_reads(span: SequenceSpan, num_slots: int, end: int, first: int, grou
         m = q.shape[0]
         known = min(end, span.ctx_len)
         run = _inside_one_run(span.kv_runs, 0, known)
+        keys: slice | torch.Tensor
         if run is not None and run.start + end <= num_slots:
             keys = slice(run.start, run.start + end)  # a view; slots past the context are masked
         else:

@@ -50,6 +50,7 @@ class TritonPagedBackend:
         plan = step_plan(meta, layer, q.device)
         out = torch.empty_like(q)
         if plan.row_tokens is not None:
+            assert plan.row_seqlens is not None and plan.row_tables is not None  # a FlashPlan sets the three together
             paged_attention(q, k_cache, v_cache, plan.row_tokens, plan.row_seqlens, plan.row_tables,
                             plan.max_row_seqlen, out, self.chunk, self.tile)
         if plan.chunks:
