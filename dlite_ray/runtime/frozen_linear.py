@@ -135,7 +135,9 @@ def probed_linear(kind: type[FrozenLinear], weight: torch.Tensor, bias: torch.Te
     probes of its shape measured it needs (`fewest_exact_rows`, `large_calls_agree`)."""
     out_features, in_features = weight.shape
     probe_key = (kind, out_features, in_features, bias is not None, weight.dtype, weight.device)
-    return kind(weight, bias, fewest_exact_rows(*probe_key), split_large=not large_calls_agree(*probe_key))
+    # type[X] is hashable, but mypy does not see it (python/mypy#11469), so functools.cache's key check fails
+    return kind(weight, bias, fewest_exact_rows(*probe_key),  # type: ignore[arg-type]
+                split_large=not large_calls_agree(*probe_key))  # type: ignore[arg-type]
 
 
 @functools.cache
@@ -204,7 +206,7 @@ def cover_row_counts(module: nn.Module, row_counts: tuple[int, ...]) -> int:
             continue  # row-exact by construction, or already split
         key = (type(linear), linear.out_features, linear.weight.shape[1], linear.bias is not None,
                linear.weight.dtype, linear.weight.device)
-        if not calls_agree(*key, tuple(row_counts)):
+        if not calls_agree(*key, tuple(row_counts)):  # type: ignore[arg-type]  # type[X] is hashable (as above)
             linear.max_rows = EXACT_ROWS
             split += 1
     return split
@@ -244,4 +246,5 @@ def freeze_linears(module: nn.Module) -> None:
     (packed where that pays); the parameters stay where they are, for state_dict."""
     for linear in module.modules():
         if isinstance(linear, nn.Linear):
-            linear.forward = freeze_linear(linear.weight, linear.bias)
+            # An instance attribute shadowing the method, on purpose (nn.Module.__call__ calls self.forward)
+            linear.forward = freeze_linear(linear.weight, linear.bias)  # type: ignore[method-assign,assignment]

@@ -89,7 +89,9 @@ def load_kernels(build: KernelBuild, wait_s: float, loader: Loader | None = None
     """The built module, building it first where needed; KernelBuildTimeout when another
     live process holds the build for longer than `wait_s`."""
     if loader is None:
-        from torch.utils.cpp_extension import load as loader
+        from torch.utils.cpp_extension import load
+
+        loader = load
     directory = build.directory
     directory.mkdir(parents=True, exist_ok=True)
     with _owner_lock(directory / OWNER_LOCK, wait_s):

@@ -24,6 +24,7 @@ class PagedKVCache:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be positive")
         self.num_blocks, self.block_size, self.block_major = num_blocks, block_size, block_major
         hkv, dh, layers = cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+        shape: tuple[int, ...]
         if block_major:
             shape = (layers, num_blocks, block_size, hkv, dh)
         else:

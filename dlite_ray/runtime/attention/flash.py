@@ -40,7 +40,9 @@ class FlashAttnBackend:
     def __init__(self, kernel=None) -> None:
         """kernel: `flash_attn_with_kvcache` or a function with its semantics (tests)."""
         if kernel is None:
-            from flash_attn import flash_attn_with_kvcache as kernel  # optional dependency
+            from flash_attn import flash_attn_with_kvcache  # optional dependency
+
+            kernel = flash_attn_with_kvcache
         self._kernel = kernel
 
     def attend(self, cache: PagedKVCache, layer: int, meta: AttentionMetadata,

@@ -29,7 +29,9 @@ class FlashPlan:
 def plan_flash(meta: AttentionMetadata, device: torch.device) -> FlashPlan:
     """Decode / verify tokens (spans of up to MAX_POSITIONED_TOKENS) one row each, prefill
     chunks one call each; block tables and lengths as int32 tensors, once per forward."""
-    tokens, seqlens, tables, chunks = [], [], [], []
+    tokens: list[int] = []
+    seqlens: list[int] = []
+    tables, chunks = [], []
     width = max(len(t) for t in meta.block_tables)
     for span, table in zip(meta.spans, meta.block_tables, strict=True):
         padded = table + [0] * (width - len(table))
