@@ -76,4 +76,3 @@ class LayerLoop:
         x, tapped = self._layers.forward(x, cos.reshape(rows, -1), signed_sin.reshape(rows, -1), cache.k_layers,
                                          cache.v_layers, meta.slot_mapping, spans, taps)
         return x, dict(zip(taps, tapped))
-
