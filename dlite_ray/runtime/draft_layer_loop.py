@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlite_ray.runtime import fused_ops
-from dlite_ray.runtime.layers import decoder_layers, row_linears
+from dlite_ray.runtime.layers import add_frozen_layers, decoder_layers, row_linears
 
 if TYPE_CHECKING:
     from dlite_ray.runtime.draft_model import DLiteDraftModel
@@ -28,19 +28,10 @@ class DraftLayerLoop:
 
     def __init__(self, draft: DLiteDraftModel):
         lc = draft.cfg.layers
-        ops = fused_ops.kernels()
-        if ops is None:
-            raise RuntimeError("the fused CPU kernels are not loaded (see DraftLayerLoop.for_model)")
-        self._layers = ops.DraftLayers(
+        self._layers = fused_ops.loaded_kernels().DraftLayers(
             lc.hidden_size, lc.num_heads, lc.num_kv_heads, lc.head_dim, lc.intermediate_size, lc.rms_norm_eps,
             draft.cfg.conventions.context_layernorm, draft.norm.weight.detach())
-        for layer in decoder_layers(draft.layers):
-            linears = row_linears(layer)
-            if linears is None:
-                raise ValueError("a layer's linears are not all RowLinear (see DraftLayerLoop.for_model)")
-            qkv, o_proj, gate_up, down_proj = linears
-            self._layers.add_layer(layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o_proj.packed,
-                                   layer.post_attention_layernorm.weight.detach(), gate_up.packed, down_proj.packed)
+        add_frozen_layers(self._layers, draft.layers)
 
     @classmethod
     def for_model(cls, draft: DLiteDraftModel) -> DraftLayerLoop | None:

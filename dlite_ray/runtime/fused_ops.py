@@ -71,6 +71,15 @@ def kernels() -> ModuleType | None:
         return None
 
 
+def loaded_kernels() -> ModuleType:
+    """`kernels()` for a caller that checked they serve (`attends_decode_rows`, `serves`,
+    `row_linear_serves`, a loop's `for_model`): RuntimeError where they are not loaded."""
+    ops = kernels()
+    if ops is None:
+        raise RuntimeError("the fused CPU kernels are not loaded (check that they serve before calling them)")
+    return ops
+
+
 def kernel_build() -> KernelBuild:
     """This checkout's build of the kernels, for this CPU."""
     return KernelBuild("dlite_fused_ops", tuple(SOURCES), tuple(CFLAGS), _cpu_tag(), default_root(),
@@ -246,8 +255,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """q [T, Hq, Dh] at positions first .. first + T - 1, attending causally the keys and values
     of positions [0, first + T) at `slots` of one layer's head-major cache [Hkv, S, Dh]; each row
     computed as it would be alone (csrc/decode_attention.cpp). Only where `attends_decode_rows`."""
-    ops = kernels()
-    assert ops is not None  # callers check `attends_decode_rows` / `attends_prefill_rows` first
+    ops = loaded_kernels()
     return ops.decode_attention(q.contiguous(), k_cache, v_cache, slots, first)
 
 
@@ -257,8 +265,7 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     rows [start, start + len) of q, attended as `decode_attention(q[start:start + len],
     k_cache, v_cache, slots, first)` would, bit for bit; the chains' slots agree on the
     tree's context, positions [0, shared), whose keys are read once for every chain."""
-    ops = kernels()
-    assert ops is not None  # callers check `attends_decode_rows` first
+    ops = loaded_kernels()
     return ops.tree_attention(q.contiguous(), k_cache, v_cache, chains, shared)
 
 
@@ -269,8 +276,7 @@ def greedy_head(u: torch.Tensor, state: torch.Tensor, token: torch.Tensor, embed
     """The draft's sequential head, K greedy steps in one call, bit for bit its eager loop
     (csrc/draft_head.cpp; `DLiteSequentialHead.greedy_block`): u [N, K, D] float32 -> (tokens
     [N, K], runners-up [N, K]). The linears packed by `pack_row_linear`. Only where `serves(u)`."""
-    ops = kernels()
-    assert ops is not None  # callers check `serves` first
+    ops = loaded_kernels()
     return ops.greedy_head(u, state, token, embedding, state_packed, state_bias, hidden_packed, hidden_bias,
                            out_packed, out_features, out_ids)
 
@@ -317,8 +323,7 @@ def pack_row_linear(weight: torch.Tensor) -> torch.Tensor:
 def row_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x [M, K] @ W^T (+ bias) with W packed by `pack_row_linear`: each row's bits the same
     in a call of any row count (csrc/row_linear.cpp). Only where `row_linear_serves`."""
-    ops = kernels()
-    assert ops is not None  # callers check `row_linear_serves` first
+    ops = loaded_kernels()
     return ops.row_linear(x.contiguous(), packed, bias, out_features)
 
 

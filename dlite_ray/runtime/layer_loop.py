@@ -20,7 +20,7 @@ from dlite_ray.runtime import fused_ops
 from dlite_ray.runtime.attention.metadata import AttentionMetadata, _context_slots
 from dlite_ray.runtime.attention.sdpa import SdpaBackend, positioned
 from dlite_ray.runtime.kv_cache import PagedKVCache
-from dlite_ray.runtime.layers import decoder_layers, row_linears
+from dlite_ray.runtime.layers import add_frozen_layers, decoder_layers, row_linears
 
 if TYPE_CHECKING:
     from dlite_ray.runtime.target_model import TargetModel
@@ -32,18 +32,9 @@ class LayerLoop:
     def __init__(self, model: TargetModel):
         cfg = model.cfg
         self.group = cfg.num_heads // cfg.num_kv_heads
-        ops = fused_ops.kernels()
-        if ops is None:
-            raise RuntimeError("the fused CPU kernels are not loaded (see LayerLoop.for_model)")
-        self._layers = ops.DecoderLayers(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                         cfg.intermediate_size, cfg.rms_norm_eps)
-        for layer in decoder_layers(model.layers):
-            linears = row_linears(layer)
-            if linears is None:
-                raise ValueError("a layer's linears are not all RowLinear (see LayerLoop.for_model)")
-            qkv, o_proj, gate_up, down_proj = linears
-            self._layers.add_layer(layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o_proj.packed,
-                                   layer.post_attention_layernorm.weight.detach(), gate_up.packed, down_proj.packed)
+        self._layers = fused_ops.loaded_kernels().DecoderLayers(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+        add_frozen_layers(self._layers, model.layers)
 
     @classmethod
     def for_model(cls, model: TargetModel) -> LayerLoop | None:

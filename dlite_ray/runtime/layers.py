@@ -162,6 +162,18 @@ def decoder_layers(layers: nn.ModuleList) -> Iterable[DecoderLayer]:
     return cast("Iterable[DecoderLayer]", layers)
 
 
+def add_frozen_layers(stack, layers: nn.ModuleList) -> None:
+    """Hand each frozen layer's norms and packed linears to a C++ layer stack (csrc's
+    DecoderLayers, DraftLayers), in the order its `add_layer` takes them."""
+    for layer in decoder_layers(layers):
+        linears = row_linears(layer)
+        if linears is None:
+            raise ValueError("a layer's linears are not all RowLinear (the loop's for_model checks them)")
+        qkv, o_proj, gate_up, down_proj = linears
+        stack.add_layer(layer.input_layernorm.weight.detach(), qkv.packed, qkv.bias, o_proj.packed,
+                        layer.post_attention_layernorm.weight.detach(), gate_up.packed, down_proj.packed)
+
+
 def row_linears(layer: DecoderLayer) -> tuple[RowLinear, RowLinear, RowLinear, RowLinear] | None:
     """A frozen layer's q/k/v, o, gate/up and down linears where each computes through
     `RowLinear` (what the loops' kernels read), else None."""

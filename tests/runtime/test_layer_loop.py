@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from dlite_ray.engine.model_runner import RowInput
 from dlite_ray.runtime import fused_ops
@@ -15,7 +16,7 @@ from dlite_ray.runtime.attention.metadata import MAX_POSITIONED_TOKENS
 from dlite_ray.runtime.config import ModelConfig
 from dlite_ray.runtime.frozen_linear import FrozenLinear
 from dlite_ray.runtime.layer_loop import LayerLoop
-from dlite_ray.runtime.layers import DecoderLayer, row_linears
+from dlite_ray.runtime.layers import DecoderLayer, add_frozen_layers, row_linears
 from dlite_ray.runtime.loading import load_target
 from tests.conftest import make_tiny_checkpoint
 from tests.helpers import forward_all, new_runner, new_seq
@@ -122,5 +123,21 @@ def test_row_linears_are_a_frozen_layers_four_linears_in_the_kernels_order(monke
     expected = (attn.qkv, attn.o_proj.forward, mlp.gate_up, mlp.down_proj.forward)
     found = row_linears(layer)
     assert found is not None and all(a is b for a, b in zip(found, expected, strict=True))
+
+    class Stack:  # a C++ layer stack's add_layer, recorded
+        def __init__(self):
+            self.calls = []
+
+        def add_layer(self, *args):
+            self.calls.append(args)
+
+    stack = Stack()
+    add_frozen_layers(stack, nn.ModuleList([layer, layer]))
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    fed = (norms[0], attn.qkv.packed, attn.qkv.bias, expected[1].packed, norms[1], mlp.gate_up.packed,
+           expected[3].packed)
+    assert len(stack.calls) == 2 and all(a is b or torch.equal(a, b) for a, b in zip(stack.calls[0], fed, strict=True))
     mlp.down_proj.forward = FrozenLinear(mlp.down_proj.weight)  # one linear the kernels cannot read
     assert row_linears(layer) is None
+    with pytest.raises(ValueError, match="not all RowLinear"):
+        add_frozen_layers(Stack(), nn.ModuleList([layer]))
