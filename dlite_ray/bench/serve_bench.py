@@ -15,7 +15,7 @@ from dlite_ray.engine.engine import DLiteEngine
 from dlite_ray.engine.prompts import Messages
 
 
-def _grpc_run(stub, metadata, messages: list[dict], max_tokens: int) -> tuple[float, list[int]]:
+def _grpc_run(stub, metadata, messages: Messages, max_tokens: int) -> tuple[float, list[int]]:
     """Decode tokens/s of one served reply (from its first chunk to its last) and its tokens."""
     from dlite_ray.serve.proto import dlite_pb2
     from dlite_ray.serve.proto_convert import proto_messages
@@ -58,10 +58,11 @@ def run(args) -> dict:
         served, lib, rounds, mismatched = [], [], 0, []
         comm_before = worker.stats.remote().result().draft_comm_time_s
         for item in tqdm(items, desc="bench-serve", unit="prompt"):
+            messages = _chat(item)
             for _ in range(args.repeats):
-                tps, tokens = _grpc_run(stub, metadata, _chat(item), args.max_new_tokens)
+                tps, tokens = _grpc_run(stub, metadata, messages, args.max_new_tokens)
                 served.append(tps)
-                r = library.generate(_chat(item), max_new_tokens=args.max_new_tokens)[0]
+                r = library.generate(messages, max_new_tokens=args.max_new_tokens)[0]
                 lib.append(r.stats.decode_tokens_per_second)
                 rounds += len(r.stats.accept_lengths)
                 if tokens != r.token_ids:
